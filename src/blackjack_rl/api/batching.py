@@ -1,0 +1,125 @@
+"""Forming batches of exactly `batch_size` sequences from queued groups of mixed sizes.
+
+Atropos packs groups into "packs" of the largest group size and takes packs in order; a
+size that does not divide the largest never packs, and one group larger than the batch
+stalls every batch behind it. Here the batch is the oldest exact subset:
+
+* take the shortest prefix of the queue (oldest first) from which some subset sums to
+  exactly `batch_size`, and within it prefer older groups;
+* the API only admits groups whose size divides `batch_size`, so among any
+  `window_for(batch_size)` queued groups some size occurs often enough to fill a batch:
+  looking at that many groups is enough, and nothing can block the groups behind it.
+
+`min_batch_allocation` is honoured as Atropos does: each connected environment with a
+minimum first gets its oldest groups up to `int(batch_size * minimum)` sequences (scaled down
+when the minimums add up to more than a batch), and the rest of the batch is filled as above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A queued group as batching sees it."""
+
+    id: int
+    env_id: int | None
+    size: int
+
+
+def window_for(batch_size: int) -> int:
+    """How many queued groups (oldest first) guarantee a batch if any batch exists among them.
+
+    With every size dividing `batch_size`, a set of groups that cannot fill a batch holds at
+    most `batch_size / s - 1` groups of each size `s`; one more group than that always can.
+    """
+    return sum(batch_size // s - 1 for s in range(1, batch_size + 1) if batch_size % s == 0) + 1
+
+
+def exact_subset(candidates: Sequence[Candidate], target: int) -> list[Candidate] | None:
+    """The oldest subset of `candidates` (queue order) whose sizes sum to exactly `target`.
+
+    Bitset subset-sum over the shortest sufficient prefix: `reach[i]` has bit k set when
+    some subset of the first i candidates sums to k. Backtracking skips a candidate whenever
+    the remainder is reachable without it, so later candidates are dropped first.
+    """
+    if target <= 0:
+        return [] if target == 0 else None
+    full = (1 << (target + 1)) - 1
+    goal = 1 << target
+    reach = [1]
+    for cand in candidates:
+        if cand.size <= 0:
+            raise ValueError(f"group {cand.id} has size {cand.size}")
+        prev = reach[-1]
+        reach.append((prev | (prev << cand.size)) & full)
+        if reach[-1] & goal:
+            break
+    else:
+        return None
+    chosen: list[Candidate] = []
+    remaining = target
+    for i in range(len(reach) - 1, 0, -1):
+        if remaining == 0:
+            break
+        if (reach[i - 1] >> remaining) & 1:
+            continue  # reachable without candidate i-1: leave it for a later batch
+        cand = candidates[i - 1]
+        chosen.append(cand)
+        remaining -= cand.size
+    assert remaining == 0
+    chosen.reverse()
+    return chosen
+
+
+def minimum_sequences(
+    batch_size: int, allocations: Mapping[int, float], smallest_size: Mapping[int, int]
+) -> dict[int, int]:
+    """Sequences each environment is owed per batch, as Atropos computes them."""
+    owed = {env: int(batch_size * share) for env, share in allocations.items()}
+    owed = {env: n for env, n in owed.items() if n > 0}
+    total = sum(owed.values())
+    if total > batch_size:
+        scale = batch_size / total
+        owed = {env: max(smallest_size.get(env, 1), int(n * scale)) for env, n in owed.items()}
+    return owed
+
+
+def form_batch(
+    queue: Sequence[Candidate],
+    batch_size: int,
+    owed: Mapping[int, int] | None = None,
+    owed_candidates: Mapping[int, Sequence[Candidate]] | None = None,
+) -> list[Candidate] | None:
+    """Groups making up exactly `batch_size` sequences, oldest first, or None if none can.
+
+    `queue` is the oldest part of the whole queue. `owed` maps environments with a minimum
+    allocation to the sequences they are owed, and `owed_candidates` gives each such
+    environment's own oldest groups (they may lie beyond `queue`).
+    """
+    if not owed:
+        return exact_subset(queue, batch_size)
+    owed_candidates = owed_candidates or {}
+    taken: list[Candidate] = []
+    taken_ids: set[int] = set()
+    total = 0
+    for env in sorted(owed):
+        mine = owed_candidates.get(env, ())
+        if not mine:
+            return None  # Atropos too waits for an environment that is owed a share
+        got = 0
+        for cand in mine:
+            if got >= owed[env]:
+                break
+            if total + cand.size <= batch_size:
+                taken.append(cand)
+                taken_ids.add(cand.id)
+                got += cand.size
+                total += cand.size
+    rest = exact_subset([c for c in queue if c.id not in taken_ids], batch_size - total)
+    if rest is None:
+        return None
+    return sorted(taken + rest, key=lambda c: c.id)

@@ -1,0 +1,89 @@
+"""Reading request bodies with hard limits: size as sent, size after gzip, no gzip bombs.
+
+Atropos reads and decompresses whole bodies with no limit, so one 49 MB post or a 10 KB
+gzip bomb takes the server's memory. Here the compressed body is read up to the limit and
+decompressed incrementally with an output cap: memory stays bounded by `max_bytes`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import AsyncIterator
+
+from .errors import ApiError
+
+_GZIP_WBITS = 16 + zlib.MAX_WBITS
+_CHUNK = 256 * 1024
+
+
+def _too_large(limit: int, what: str) -> ApiError:
+    return ApiError(
+        413,
+        f"{what} exceeds the limit of {limit} bytes; send fewer groups per request "
+        "(or raise the server's --max-body-mb)",
+    )
+
+
+async def read_limited(stream: AsyncIterator[bytes], content_length: str | None, limit: int) -> bytes:
+    """The raw body, refusing early (from Content-Length) or as soon as it passes `limit`."""
+    if content_length is not None:
+        try:
+            declared = int(content_length)
+        except ValueError:
+            raise ApiError(400, f"Content-Length {content_length!r} is not a number") from None
+        if declared > limit:
+            raise _too_large(limit, f"body of {declared} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in stream:
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit, "body")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def content_coding(header: str | None) -> str:
+    """'identity' or 'gzip'; anything else is refused with 415 naming what is supported."""
+    coding = (header or "identity").strip().lower()
+    if coding in ("", "identity"):
+        return "identity"
+    if coding in ("gzip", "x-gzip"):
+        return "gzip"
+    raise ApiError(415, f"Content-Encoding {header!r} is not supported; send identity or gzip")
+
+
+def gunzip_limited(data: bytes, limit: int) -> tuple[bytes, int]:
+    """Decompress a gzip body (one or more members) producing at most `limit` bytes.
+
+    Returns the bytes and the number of gzip members, so callers can tell a plain single
+    stream (whose compressed bytes may be stored as they are) from a concatenation.
+    """
+    out: list[bytes] = []
+    produced = 0
+    members = 0
+    rest = data
+    while rest:
+        members += 1
+        decoder = zlib.decompressobj(_GZIP_WBITS)
+        pending = rest
+        while not decoder.eof:
+            try:
+                piece = decoder.decompress(pending, limit - produced + 1)
+            except zlib.error as exc:
+                raise ApiError(400, f"body is not valid gzip ({exc}); compress with gzip or send it plain") from None
+            produced += len(piece)
+            if produced > limit:
+                raise _too_large(limit, "decompressed body")
+            out.append(piece)
+            pending = decoder.unconsumed_tail
+            if not pending and not piece:
+                break  # input used up without reaching the end of the stream
+        if not decoder.eof:
+            raise ApiError(400, "gzip body is truncated; send the complete compressed stream")
+        rest = decoder.unused_data
+        if rest and not rest.strip(b"\x00"):
+            break  # zero padding after the last member, as some writers add
+    if members == 0:
+        return b"", 0
+    return b"".join(out), members

@@ -1,0 +1,366 @@
+"""Clients of the trajectory API: `EnvClient` for environment workers, `TrainerClient` for trainers.
+
+The environment side is where Atropos loses data: a send that fails three times is logged
+and dropped. `EnvClient` retries transient failures (connection errors, timeouts, 5xx, 503
+and 429 with their Retry-After) with jittered exponential backoff, sends every post with an
+Idempotency-Key so a retry is never queued twice, and, given an outbox, parks what it still
+cannot deliver on disk and sends it, in order, once the API answers again. Refusals (4xx)
+are not retried: they raise `ApiRejected` with the server's explanation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import random
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pydantic_core
+
+from .models import (
+    Registration,
+    RegisterEnv,
+    RegisterEnvResponse,
+    StatusEnvResponse,
+    StatusResponse,
+)
+from .outbox import Outbox, Rejected
+
+WAIT_FOR_TRAINER = "wait for trainer to start"
+
+
+class ApiRejected(Exception):
+    """The API refused the request (4xx other than 429): fix the request, retrying won't help."""
+
+    def __init__(self, status: int, detail: str, method: str = "", path: str = "") -> None:
+        super().__init__(f"{method} {path} refused with {status}: {detail}".strip())
+        self.status = status
+        self.detail = detail
+
+
+class ApiUnavailable(Exception):
+    """The API could not be reached, or stayed busy, through every retry."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Jittered exponential backoff: attempt n waits up to base * 2**(n-1), capped."""
+
+    attempts: int = 8
+    base_delay_s: float = 0.2
+    max_delay_s: float = 10.0
+    max_elapsed_s: float = 120.0
+
+    def backoff(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1)))
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """What became of groups handed to `EnvClient.submit`."""
+
+    sent_groups: int  # delivered now (including earlier parked ones flushed first)
+    parked_groups: int  # waiting in the outbox
+    rejected: list[Rejected]  # refused by the API during this call, kept in the outbox's rejected table
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict) and "detail" in body:
+        return str(body["detail"])
+    return str(body)[:500]
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def _json_fallback(value: Any) -> Any:
+    """numpy scalars and arrays (scores, logprobs) serialize as plain numbers and lists."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"cannot send a {type(value).__name__} in a group")
+
+
+def encode_groups(groups: Sequence[Mapping[str, Any]], level: int = 1) -> bytes:
+    """Gzip-compressed JSON list. Level 1: ~10x faster than gzip's default, nearly as small."""
+    return gzip.compress(pydantic_core.to_json(list(groups), fallback=_json_fallback), compresslevel=level)
+
+
+class EnvClient:
+    """Async client for one environment worker. Use one per worker, as an async context manager."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        retry: RetryPolicy | None = None,
+        outbox: Outbox | str | Path | None = None,
+        park_after: RetryPolicy | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, transport=transport)
+        self.retry = retry or RetryPolicy()
+        # submit() gives up sooner than send_groups(): a worker should park and keep playing.
+        self.park_after = park_after or RetryPolicy(attempts=3, max_elapsed_s=5.0)
+        self.outbox = Outbox(outbox) if isinstance(outbox, (str, Path)) else outbox
+        self.env_id: int | None = None
+        self.registration: RegisterEnvResponse | None = None
+
+    async def __aenter__(self) -> EnvClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+        if self.outbox is not None:
+            self.outbox.close()
+
+    # --- HTTP with retries ----------------------------------------------------------------
+
+    async def _request(
+        self, method: str, path: str, *, retry: RetryPolicy | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        policy = retry or self.retry
+        started = time.monotonic()
+        problem = ""
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                response = await self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:  # connection refused/reset, timeouts
+                problem = f"{type(exc).__name__}: {exc}"
+                wait = policy.backoff(attempt)
+            else:
+                status = response.status_code
+                if status < 400:
+                    return response
+                if status not in (429, 503) and status < 500:
+                    raise ApiRejected(status, _detail(response), method, path)
+                problem = f"{status}: {_detail(response)}"
+                hinted = _retry_after(response)
+                wait = hinted + random.uniform(0, 0.1 * hinted + 0.05) if hinted is not None else policy.backoff(attempt)
+            if attempt == policy.attempts or time.monotonic() - started + wait > policy.max_elapsed_s:
+                break
+            await asyncio.sleep(wait)
+        raise ApiUnavailable(f"{method} {path} failed after {attempt} attempts; last problem: {problem}")
+
+    # --- environment protocol -------------------------------------------------------------
+
+    async def register_env(
+        self, request: RegisterEnv, *, poll_interval_s: float = 1.0, timeout_s: float | None = None
+    ) -> RegisterEnvResponse:
+        """Register, waiting (polling) while the API says the trainer has not started."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            response = await self._request("POST", "/register-env", json=request.model_dump())
+            answer = RegisterEnvResponse.model_validate(response.json())
+            if answer.status == "success" and answer.env_id is not None:
+                self.env_id = answer.env_id
+                self.registration = answer
+                return answer
+            if answer.status != WAIT_FOR_TRAINER:
+                raise ApiRejected(response.status_code, f"unexpected registration status {answer.status!r}")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ApiUnavailable(f"the trainer did not start within {timeout_s} s")
+            await asyncio.sleep(poll_interval_s)
+
+    async def status_env(self) -> StatusEnvResponse:
+        env_id = self._require_env()
+        response = await self._request("GET", "/status-env", params={"env_id": env_id})
+        return StatusEnvResponse.model_validate(response.json())
+
+    async def status(self) -> StatusResponse:
+        return StatusResponse.model_validate((await self._request("GET", "/status")).json())
+
+    async def disconnect(self) -> None:
+        if self.env_id is not None:
+            await self._request("POST", "/disconnect-env", json={"env_id": self.env_id})
+
+    def _require_env(self) -> int:
+        if self.env_id is None:
+            raise RuntimeError("register_env() first: the API identifies this worker by its env_id")
+        return self.env_id
+
+    def _with_env(self, groups: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        if self.env_id is None:
+            return list(groups)
+        return [g if g.get("env_id") is not None else {**g, "env_id": self.env_id} for g in groups]
+
+    async def _post_body(self, body: bytes, key: str, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        response = await self._request(
+            "POST",
+            "/scored_data_list",
+            content=body,
+            headers={"Content-Type": "application/json", "Content-Encoding": "gzip", "Idempotency-Key": key},
+            retry=retry,
+        )
+        return dict(response.json())
+
+    async def send_groups(self, groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """POST the groups in one request (all or none are queued), retrying transient failures.
+
+        Raises ApiRejected for a refusal, ApiUnavailable when retries run out. No outbox.
+        """
+        return await self._post_body(encode_groups(self._with_env(groups)), uuid.uuid4().hex)
+
+    async def submit(self, groups: Sequence[Mapping[str, Any]]) -> SendResult:
+        """Deliver groups, or park them in the outbox: nothing handed here is lost.
+
+        Tries briefly (`park_after`), then parks instead of blocking the worker. Order is
+        kept: while older posts wait in the outbox, new ones queue behind them. A refused
+        post goes to the outbox's rejected table and is reported in the result.
+        """
+        if self.outbox is None:
+            raise RuntimeError("submit() needs an outbox; use send_groups() to send without one")
+        body, key = encode_groups(self._with_env(groups)), uuid.uuid4().hex
+        if self.outbox.pending_posts():
+            self.outbox.put(key, body, len(groups))
+            return await self.flush_outbox(self.park_after)
+        try:
+            await self._post_body(body, key, self.park_after)
+        except ApiUnavailable:
+            self.outbox.put(key, body, len(groups))
+            return SendResult(0, self.outbox.pending_groups(), [])
+        except ApiRejected as exc:
+            self.outbox.put(key, body, len(groups))
+            parked = self.outbox.oldest()
+            assert parked is not None
+            self.outbox.reject(parked, exc.status, exc.detail)
+            return SendResult(0, 0, [Rejected(parked.id, parked.n_groups, exc.status, exc.detail)])
+        return SendResult(len(groups), 0, [])
+
+    async def flush_outbox(self, retry: RetryPolicy | None = None) -> SendResult:
+        """Send parked posts oldest first; stop (keeping the rest) when the API is unreachable."""
+        if self.outbox is None:
+            return SendResult(0, 0, [])
+        sent = 0
+        rejected: list[Rejected] = []
+        while (parked := self.outbox.oldest()) is not None:
+            try:
+                await self._post_body(parked.body, parked.key, retry)
+            except ApiRejected as exc:
+                self.outbox.reject(parked, exc.status, exc.detail)
+                rejected.append(Rejected(parked.id, parked.n_groups, exc.status, exc.detail))
+                continue
+            except ApiUnavailable:
+                break
+            self.outbox.remove(parked)
+            sent += parked.n_groups
+        return SendResult(sent, self.outbox.pending_groups(), rejected)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A batch as the trainer receives it."""
+
+    batch_id: int
+    step: int
+    redelivered: bool  # sent before and not acknowledged: the trainer may have seen it
+    groups: list[dict[str, Any]]
+
+    @property
+    def sequences(self) -> int:
+        return sum(len(g["tokens"]) for g in self.groups)
+
+
+class TrainerClient:
+    """Small synchronous trainer-side client: register, then pull batches.
+
+    It acknowledges explicitly (`GET /batch?ack=<last batch id>`): a batch whose response
+    was lost is sent again rather than skipped.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 60.0,
+        retry: RetryPolicy | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s, transport=transport)
+        self.retry = retry or RetryPolicy()
+        self.last_batch_id: int | None = None
+
+    def __enter__(self) -> TrainerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        policy = self.retry
+        problem = ""
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+                wait = policy.backoff(attempt)
+            else:
+                if response.status_code < 400:
+                    return response
+                if response.status_code not in (429, 503) and response.status_code < 500:
+                    raise ApiRejected(response.status_code, _detail(response), method, path)
+                problem = f"{response.status_code}: {_detail(response)}"
+                wait = _retry_after(response) or policy.backoff(attempt)
+            if attempt < policy.attempts:
+                time.sleep(wait)
+        raise ApiUnavailable(f"{method} {path} failed after {policy.attempts} attempts; last problem: {problem}")
+
+    def register(self, registration: Registration | Mapping[str, Any]) -> int:
+        payload = registration.model_dump() if isinstance(registration, Registration) else dict(registration)
+        return int(self._request("POST", "/register", json=payload).json()["uuid"])
+
+    def get_batch(self) -> Batch | None:
+        """The next batch, or None when the queue cannot fill one yet."""
+        ack = self.last_batch_id if self.last_batch_id is not None else 0
+        data = pydantic_core.from_json(self._request("GET", "/batch", params={"ack": ack}).content)
+        if data.get("batch") is None:
+            return None
+        batch = Batch(int(data["batch_id"]), int(data["step"]), bool(data["redelivered"]), data["batch"])
+        self.last_batch_id = batch.batch_id
+        return batch
+
+    def wait_for_batch(self, timeout_s: float, poll_s: float = 0.05) -> Batch:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            batch = self.get_batch()
+            if batch is not None:
+                return batch
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no batch within {timeout_s} s")
+            time.sleep(poll_s)
+
+    def status(self) -> StatusResponse:
+        return StatusResponse.model_validate(self._request("GET", "/status").json())
+
+    def info(self) -> dict[str, Any]:
+        return dict(self._request("GET", "/info").json())

@@ -1,0 +1,316 @@
+"""Checking posted groups and turning them into the compressed blobs the queue stores.
+
+Everything here is pure (bytes and a context in, prepared groups or an ApiError out), so
+it can be tested without a server and run wherever the server likes.
+
+Validation costs one pass of pydantic-core (Rust) over the JSON plus C-speed list
+comparisons for the cross-field rules; no per-token Python loop runs for valid groups.
+Storage avoids re-encoding where it can: a group that arrived as one gzip stream is stored
+as the client's own compressed bytes, so ingest costs a parse and a check, not a re-compress.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pydantic_core
+from pydantic import TypeAdapter, ValidationError
+
+from .body import gunzip_limited
+from .errors import ApiError
+from .models import SCORED_DATA_FIELDS, ScoredGroup
+
+#: How a stored payload is encoded.
+FMT_ZLIB = 1  # zlib-compressed JSON object
+FMT_GZIP_OBJECT = 2  # the client's gzip body, a JSON object
+FMT_GZIP_LIST1 = 3  # the client's gzip body, a JSON list holding one object
+
+_GROUP_LIST = TypeAdapter(list[ScoredGroup])
+_MASKED = -100
+_SHOWN_ERRORS = 4
+
+
+@dataclass(frozen=True)
+class IngestContext:
+    """What validation needs to know about the run, as a snapshot taken before validating."""
+
+    batch_size: int | None  # None until a trainer registers
+    max_token_len: int = -1
+    env_group_sizes: Mapping[int, int] = field(default_factory=dict)
+    generation: int = 0  # changes when registrations change; the store re-checks it
+
+
+@dataclass(frozen=True)
+class PreparedGroup:
+    """A validated group, ready to be queued."""
+
+    env_id: int | None
+    n_seq: int
+    fmt: int
+    data: bytes
+    suffix: bytes = b""  # `,"key":null` pairs for Atropos fields the client left out
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def prepare_groups(
+    raw: bytes, coding: str, ctx: IngestContext, *, as_list: bool, max_bytes: int
+) -> list[PreparedGroup]:
+    """Validate a /scored_data (one group) or /scored_data_list (a list) body.
+
+    All or nothing: one bad group refuses the whole request, with a message naming it, so a
+    client never has to work out which part of a post was queued.
+    """
+    if ctx.batch_size is None:
+        raise ApiError(
+            503,
+            "no trainer has registered yet (POST /register); groups are accepted once a trainer "
+            "has said how many sequences its batches hold",
+        )
+    members = 0
+    text = raw
+    if coding == "gzip":
+        text, members = gunzip_limited(raw, max_bytes)
+    groups = _parse(text, as_list)
+
+    for index, group in enumerate(groups):
+        try:
+            check_group(group, ctx)
+        except ApiError as exc:
+            if as_list:
+                exc.detail = f"group {index}: {exc.detail}"
+            raise
+
+    own_text = _single_object_text(text, as_list) if len(groups) == 1 else None
+    if own_text is not None:
+        group = groups[0]
+        suffix = _missing_fields_suffix(group)
+        if coding == "gzip" and members == 1:
+            fmt = FMT_GZIP_LIST1 if as_list else FMT_GZIP_OBJECT
+            return [PreparedGroup(group.env_id, len(group.tokens), fmt, raw, suffix)]
+        return [PreparedGroup(group.env_id, len(group.tokens), FMT_ZLIB, zlib.compress(own_text, 1), suffix)]
+    return [
+        PreparedGroup(g.env_id, len(g.tokens), FMT_ZLIB, zlib.compress(pydantic_core.to_json(g), 1))
+        for g in groups
+    ]
+
+
+def decode_payload(fmt: int, data: bytes, suffix: bytes = b"") -> bytes:
+    """The JSON object of a stored group, every Atropos field present."""
+    if fmt == FMT_ZLIB:
+        obj = zlib.decompress(data)
+    elif fmt in (FMT_GZIP_OBJECT, FMT_GZIP_LIST1):
+        obj = zlib.decompress(data, 16 + zlib.MAX_WBITS).strip()
+        if fmt == FMT_GZIP_LIST1:
+            obj = obj[1:-1].strip()
+    else:
+        raise ValueError(f"unknown payload format {fmt}")
+    if suffix:
+        obj = obj[:-1] + suffix + b"}"
+    return obj
+
+
+# --- parsing -----------------------------------------------------------------------------
+
+
+def _parse(text: bytes, as_list: bool) -> Sequence[ScoredGroup]:
+    try:
+        if as_list:
+            return _GROUP_LIST.validate_json(text)
+        return [ScoredGroup.model_validate_json(text)]
+    except ValidationError as exc:
+        raise _describe(exc, as_list) from None
+
+
+def _describe(exc: ValidationError, as_list: bool) -> ApiError:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"body is not valid JSON: {first['msg']}")
+    if not first["loc"]:
+        wanted = "a JSON list of groups" if as_list else "a JSON object (one group)"
+        return ApiError(422, f"expected {wanted}, got {type(first['input']).__name__}")
+    parts = []
+    for error in errors[:_SHOWN_ERRORS]:
+        loc = list(error["loc"])
+        prefix = ""
+        if as_list and loc and isinstance(loc[0], int):
+            prefix = f"group {loc.pop(0)}: "
+        text = error["msg"]
+        if loc and loc[0] == "tokens" and error["type"] in ("greater_than_equal", "less_than"):
+            text = "token ids must be integers from 0 to 2**31 - 1"
+        message = f"{prefix}{_format_loc(loc)}: {text}"
+        shown = error.get("input")
+        if isinstance(shown, (int, float, str, bool)) or shown is None:
+            if error["type"] != "missing":
+                message += f" (got {_short_repr(shown)})"
+        parts.append(message)
+    if len(errors) > _SHOWN_ERRORS:
+        parts.append(f"and {len(errors) - _SHOWN_ERRORS} more problems")
+    return ApiError(422, "; ".join(parts))
+
+
+def _format_loc(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+def _short_repr(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# --- cross-field rules ---------------------------------------------------------------------
+
+
+def check_group(group: ScoredGroup, ctx: IngestContext) -> None:
+    """Shapes, masks, finiteness and size rules that a schema cannot express.
+
+    Raises ApiError(422) naming the first problem found.
+    """
+    tokens = group.tokens
+    n = len(tokens)
+    if n == 0:
+        raise ApiError(422, "tokens is empty: a group needs at least one sequence")
+    _same_count("masks", group.masks, n)
+    _same_count("scores", group.scores, n)
+    for i, (seq, mask) in enumerate(zip(tokens, group.masks)):
+        if not seq:
+            raise ApiError(422, f"tokens[{i}] is empty: every sequence needs at least one token")
+        if len(mask) != len(seq):
+            raise ApiError(422, f"masks[{i}] has {len(mask)} positions but tokens[{i}] has {len(seq)}")
+        if mask != seq:
+            _check_mask(i, seq, mask)
+        if 0 < ctx.max_token_len < len(seq):
+            raise ApiError(
+                422,
+                f"tokens[{i}] has {len(seq)} tokens, more than the trainer's max_token_len "
+                f"{ctx.max_token_len}; drop or truncate it before sending",
+            )
+    _check_finite("scores", group.scores)
+    for name in ("inference_logprobs", "ref_logprobs", "advantages"):
+        per_token = getattr(group, name)
+        if per_token:  # atroposlib sends [] for "not provided"
+            _same_count(name, per_token, n)
+            for i, (values, seq) in enumerate(zip(per_token, tokens)):
+                if len(values) != len(seq):
+                    raise ApiError(422, f"{name}[{i}] has {len(values)} positions but tokens[{i}] has {len(seq)}")
+                _check_finite(f"{name}[{i}]", values)
+    for name in ("messages", "overrides"):
+        per_sequence = getattr(group, name)
+        if per_sequence:
+            _same_count(name, per_sequence, n)
+    _check_distill(group, n)
+    _check_size(group, n, ctx)
+
+
+def _same_count(name: str, values: Sequence[Any], n: int) -> None:
+    if len(values) != n:
+        raise ApiError(422, f"{name} has {len(values)} entries but tokens has {n} sequences; they must match")
+
+
+def _check_mask(i: int, seq: list[int], mask: list[int]) -> None:
+    # Fast path for the usual shape: masked prompt, then the trained tokens themselves.
+    masked = mask.count(_MASKED)
+    if mask[masked:] == seq[masked:] and mask[:masked] == [_MASKED] * masked:
+        return
+    for j, (m, t) in enumerate(zip(mask, seq)):
+        if m != _MASKED and m != t:
+            raise ApiError(
+                422,
+                f"masks[{i}][{j}] is {m}: a mask is -100 (not trained) or the token id at that position ({t})",
+            )
+
+
+def _check_finite(name: str, values: list[float]) -> None:
+    # sum() runs in C; a NaN or infinity anywhere makes it non-finite. Only then look closer
+    # (huge finite values can overflow the sum without being wrong).
+    if math.isfinite(sum(values)):
+        return
+    for j, value in enumerate(values):
+        if not math.isfinite(value):
+            raise ApiError(422, f"{name}[{j}] is {value}: values must be finite numbers")
+
+
+def _check_distill(group: ScoredGroup, n: int) -> None:
+    ids, logprobs = group.distill_token_ids, group.distill_logprobs
+    for name, values in (("distill_token_ids", ids), ("distill_logprobs", logprobs)):
+        if values:
+            _same_count(name, values, n)
+            for i, (per_pos, seq) in enumerate(zip(values, group.tokens)):
+                if len(per_pos) != len(seq):
+                    raise ApiError(422, f"{name}[{i}] has {len(per_pos)} positions but tokens[{i}] has {len(seq)}")
+    if ids and logprobs:
+        for i, (a, b) in enumerate(zip(ids, logprobs)):
+            if [len(x) for x in a] != [len(x) for x in b]:
+                raise ApiError(422, f"distill_token_ids[{i}] and distill_logprobs[{i}] differ in shape")
+
+
+def _check_size(group: ScoredGroup, n: int, ctx: IngestContext) -> None:
+    batch_size = ctx.batch_size
+    assert batch_size is not None
+    if n > batch_size:
+        raise ApiError(
+            422,
+            f"group has {n} sequences but the trainer's batches hold {batch_size}: "
+            "it could never be placed in a batch; split it",
+        )
+    if batch_size % n:
+        raise ApiError(
+            422,
+            f"group has {n} sequences; batches hold exactly {batch_size}, so a group's size must "
+            f"divide {batch_size} (one of {', '.join(map(str, divisors(batch_size)))})",
+        )
+    if group.env_id is None:
+        return
+    registered = ctx.env_group_sizes.get(group.env_id)
+    if registered is None:
+        known = sorted(ctx.env_group_sizes)
+        raise ApiError(
+            422,
+            f"env_id {group.env_id} is not registered here (known: {known or 'none'}); "
+            "register with POST /register-env and send the env_id it returns",
+        )
+    if n > registered:
+        declared = (group.group_overrides or {}).get("group_size")
+        if declared != n:
+            raise ApiError(
+                422,
+                f"group has {n} sequences but env {group.env_id} registered group_size {registered}; "
+                f'send at most {registered}, or declare the larger group with group_overrides {{"group_size": {n}}}',
+            )
+
+
+# --- storage helpers ---------------------------------------------------------------------
+
+
+def _single_object_text(text: bytes, as_list: bool) -> bytes | None:
+    """The JSON text of the only group of a body, if it can be stored as sent.
+
+    Not when the text holds NaN or Infinity (only possible in unvalidated extra keys at this
+    point): those are re-encoded so trainers get standard JSON (null).
+    """
+    if b"NaN" in text or b"Infinity" in text:
+        return None
+    obj = text.strip()
+    if as_list:
+        obj = obj[1:-1].strip()
+    if not (obj.startswith(b"{") and obj.endswith(b"}")):
+        return None
+    return obj
+
+
+def _missing_fields_suffix(group: ScoredGroup) -> bytes:
+    present = group.model_fields_set
+    return b"".join(b',"%s":null' % name.encode() for name in SCORED_DATA_FIELDS if name not in present)

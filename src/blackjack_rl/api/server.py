@@ -1,0 +1,257 @@
+"""The trajectory API: Atropos' endpoints and fields, on a durable, bounded, checked queue.
+
+`create_app(config)` builds a fresh FastAPI app; all state (the SQLite store and its writer
+thread) is created by the app's lifespan and hangs off `app.state`, so two apps never share
+anything and tests can start as many as they like.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio.to_thread
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .body import content_coding, gunzip_limited, read_limited
+from .errors import ApiError
+from .ingest import decode_payload, prepare_groups
+from .models import EnvIdentifier, Registration, RegisterEnv
+from .settings import ApiConfig
+from .store import BatchRows, Store, StoreRunner
+
+M = TypeVar("M", bound=BaseModel)
+
+_MAX_IDEMPOTENCY_KEY = 200
+_EMPTY_EXAMPLE: dict[str, list[Any]] = {
+    name: []
+    for name in (
+        "tokens",
+        "masks",
+        "scores",
+        "advantages",
+        "ref_logprobs",
+        "generation_params",
+        "inference_logprobs",
+        "messages",
+        "images",
+    )
+}
+
+
+class BearerAuth:
+    """Require `Authorization: Bearer <token>` on every request (ASGI, so it costs ~nothing)."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse(
+                    {"detail": "missing or wrong bearer token; send the header 'Authorization: Bearer <token>'"},
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(config: ApiConfig) -> FastAPI:
+    """A new trajectory API app for `config` (serve it with uvicorn, or test it in-process)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = Store(
+            config.db_path,
+            synchronous=config.synchronous,
+            max_queued_sequences=config.max_queued_sequences,
+            retry_after_s=config.retry_after_s,
+            idempotency_ttl_s=config.idempotency_ttl_s,
+        )
+        runner = StoreRunner(store)
+        runner.start()
+        app.state.runner = runner
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(runner.stop)
+
+    app = FastAPI(
+        title="blackjack-rl trajectory API",
+        description="Atropos-compatible trajectory API: a durable, bounded queue of scored groups.",
+        lifespan=lifespan,
+    )
+    token = config.token_value()
+    if token:
+        app.add_middleware(BearerAuth, token=token)
+    if config.cors_origins:
+        # Added last, so it runs first: browsers' preflight requests carry no token.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "Content-Encoding", "Idempotency-Key"],
+        )
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_params(_: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'request'}: {e['msg']}" for e in exc.errors()]
+        return JSONResponse({"detail": "; ".join(parts)}, status_code=422)
+
+    def runner_of(request: Request) -> StoreRunner:
+        return request.app.state.runner  # type: ignore[no-any-return]
+
+    async def call(request: Request, op: Callable[[Store], Any]) -> Any:
+        return await runner_of(request).call(op)
+
+    async def read_body(request: Request) -> tuple[bytes, str]:
+        raw = await read_limited(request.stream(), request.headers.get("content-length"), config.max_body_bytes)
+        return raw, content_coding(request.headers.get("content-encoding"))
+
+    async def parse(request: Request, model: type[M]) -> M:
+        raw, coding = await read_body(request)
+        text = gunzip_limited(raw, config.max_body_bytes)[0] if coding == "gzip" else raw
+        try:
+            return model.model_validate_json(text or b"null")
+        except ValidationError as exc:
+            raise _request_error(exc, model.__name__) from None
+
+    @app.get("/")
+    async def root() -> dict[str, str]:
+        return {"message": "blackjack-rl trajectory API (Atropos-compatible)"}
+
+    @app.post("/register")
+    async def register(request: Request) -> dict[str, int]:
+        reg = await parse(request, Registration)
+        return {"uuid": await call(request, lambda s: s.register_trainer(reg))}
+
+    @app.post("/register-env")
+    async def register_env(request: Request) -> dict[str, Any]:
+        req = await parse(request, RegisterEnv)
+        return await call(request, lambda s: s.register_env(req))  # type: ignore[no-any-return]
+
+    @app.post("/disconnect-env")
+    async def disconnect_env(request: Request) -> dict[str, Any]:
+        ident = await parse(request, EnvIdentifier)
+        return await call(request, lambda s: s.disconnect_env(ident.env_id))  # type: ignore[no-any-return]
+
+    @app.get("/wandb_info")
+    async def wandb_info(request: Request) -> dict[str, Any]:
+        return await call(request, Store.wandb_info)  # type: ignore[no-any-return]
+
+    @app.get("/info")
+    async def info(request: Request) -> dict[str, Any]:
+        return await call(request, Store.info)  # type: ignore[no-any-return]
+
+    @app.get("/status")
+    async def status(request: Request) -> dict[str, Any]:
+        return await call(request, Store.status)  # type: ignore[no-any-return]
+
+    @app.get("/status-env")
+    async def status_env(request: Request, env_id: int | None = None) -> dict[str, Any]:
+        """env_id as a query parameter, or (as atroposlib sends it) as a JSON body on GET."""
+        if env_id is None:
+            env_id = (await parse(request, EnvIdentifier)).env_id
+        chosen = env_id
+        return await call(request, lambda s: s.status_env(chosen))  # type: ignore[no-any-return]
+
+    @app.get("/batch")
+    async def batch(request: Request, ack: int | None = None) -> Response:
+        """The next batch for the trainer; see Store.next_batch for acknowledgement."""
+        runner = runner_of(request)
+        if runner.store.mirror.trainer is None:
+            return JSONResponse(
+                {"status": "error", "message": "Trainer not registered. Call /register first.", "batch": None}
+            )
+        rows = await runner.call(lambda s: s.next_batch(ack))
+        if rows is None:
+            return Response(b'{"batch":null}', media_type="application/json")
+        body = await anyio.to_thread.run_sync(_batch_body, rows)
+        return Response(body, media_type="application/json")
+
+    @app.get("/latest_example")
+    async def latest_example(request: Request) -> Response:
+        latest = runner_of(request).store.latest
+        if latest is None:
+            return JSONResponse(_EMPTY_EXAMPLE)
+        return Response(decode_payload(*latest), media_type="application/json")
+
+    async def ingest(request: Request, as_list: bool) -> dict[str, Any]:
+        runner = runner_of(request)
+        raw, coding = await read_body(request)
+        key = request.headers.get("idempotency-key")
+        if key is not None and not 0 < len(key) <= _MAX_IDEMPOTENCY_KEY:
+            raise ApiError(400, f"Idempotency-Key must be 1 to {_MAX_IDEMPOTENCY_KEY} characters")
+        if runner.store.queued_sequences_hint >= config.max_queued_sequences:
+            # Cheap early refusal; the store makes the exact check when it queues.
+            raise ApiError(
+                503,
+                f"queue is full ({config.max_queued_sequences} sequences wait for the trainer); "
+                f"retry after {config.retry_after_s} s",
+                {"Retry-After": str(config.retry_after_s)},
+            )
+        ctx = runner.store.context
+        groups = prepare_groups(raw, coding, ctx, as_list=as_list, max_bytes=config.max_body_bytes)
+        return await runner.call(  # type: ignore[no-any-return]
+            lambda s: s.enqueue(groups, as_list=as_list, idempotency_key=key, generation=ctx.generation)
+        )
+
+    @app.post("/scored_data")
+    async def scored_data(request: Request) -> dict[str, Any]:
+        return await ingest(request, as_list=False)
+
+    @app.post("/scored_data_list")
+    async def scored_data_list(request: Request) -> dict[str, Any]:
+        return await ingest(request, as_list=True)
+
+    async def reset(request: Request) -> Response:
+        if not token:
+            raise ApiError(
+                403,
+                "reset_data is disabled: it deletes every registration and queued group. "
+                "Start the API with a token (--token or BLACKJACK_RL_API_TOKEN) to allow it.",
+            )
+        await call(request, Store.reset)
+        return PlainTextResponse("Reset successful")
+
+    app.add_api_route("/reset_data", reset, methods=["GET", "POST"])
+    return app
+
+
+def _batch_body(rows: BatchRows) -> bytes:
+    groups = b",".join(decode_payload(fmt, data, suffix) for fmt, data, suffix in rows.payloads)
+    tail = b',"batch_id":%d,"step":%d,"redelivered":%s}' % (
+        rows.batch_id,
+        rows.step,
+        b"true" if rows.redelivered else b"false",
+    )
+    return b'{"batch":[' + groups + b"]" + tail
+
+
+def _request_error(exc: ValidationError, what: str) -> ApiError:
+    errors = exc.errors(include_url=False)
+    if errors[0]["type"] == "json_invalid":
+        return ApiError(400, f"body is not valid JSON: {errors[0]['msg']}")
+    parts = []
+    for e in errors[:4]:
+        loc = ".".join(str(p) for p in e["loc"]) or "body"
+        parts.append(f"{loc}: {e['msg']}")
+    return ApiError(422, f"{what}: " + "; ".join(parts))
+
+
+__all__ = ["ApiConfig", "create_app"]

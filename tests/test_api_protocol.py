@@ -1,0 +1,349 @@
+"""The Atropos protocol, in-process: registration, batches, acknowledgement, status, access control."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest_api import ATROPOS_REGISTRATION, atropos_register_env, make_group, uids
+from fastapi.testclient import TestClient
+
+from blackjack_rl.api import ApiConfig, ApiRejected, EnvClient, create_app
+from blackjack_rl.api.client import RetryPolicy
+from blackjack_rl.api.models import SCORED_DATA_FIELDS, RegisterEnv
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    with TestClient(create_app(ApiConfig(db_path=tmp_path / "api.sqlite"))) as c:
+        yield c
+
+
+def start(c: TestClient, batch_size: int = 8, **reg: Any) -> None:
+    assert c.post("/register", json={**ATROPOS_REGISTRATION, "batch_size": batch_size, **reg}).status_code == 200
+    assert c.get("/batch").json()["batch"] is None
+
+
+def register_env(c: TestClient, group_size: int = 4, **changes: Any) -> int:
+    body = c.post("/register-env", json=atropos_register_env(group_size, **changes)).json()
+    assert body["status"] == "success", body
+    return int(body["env_id"])
+
+
+def drain(c: TestClient) -> list[dict[str, Any]]:
+    batches = []
+    while (b := c.get("/batch").json())["batch"] is not None:
+        batches.append(b)
+    return batches
+
+
+def test_environments_wait_for_the_trainers_first_batch_request(client: TestClient) -> None:
+    assert client.post("/register-env", json=atropos_register_env()).json() == {"status": "wait for trainer to start"}
+    assert client.post("/register", json=ATROPOS_REGISTRATION).json()["uuid"] > 0
+    assert client.post("/register-env", json=atropos_register_env()).json()["status"] == "wait for trainer to start"
+    assert client.get("/batch").json() == {"batch": None}
+    answer = client.post("/register-env", json=atropos_register_env()).json()
+    assert answer == {
+        "status": "success",
+        "env_id": 0,
+        "wandb_name": "blackjack_0",
+        "checkpoint_dir": "checkpoints",
+        "starting_step": 0,
+        "checkpoint_interval": 10,
+        "num_steps": 100,
+    }
+    assert client.post("/register-env", json=atropos_register_env()).json()["wandb_name"] == "blackjack_1"
+
+
+def test_batch_before_registration_explains_itself(client: TestClient) -> None:
+    body = client.get("/batch").json()
+    assert body["batch"] is None and "Call /register first" in body["message"]
+    assert client.get("/info").json() == {"batch_size": -1, "max_token_len": -1}
+    assert client.get("/wandb_info").json() == {"group": None, "project": None}
+    assert client.get("/status").json() == {"current_step": 0, "queue_size": 0}
+    r = client.post("/scored_data", json=make_group(env_id=None))
+    assert r.status_code == 503 and "no trainer has registered" in r.json()["detail"]
+
+
+def test_first_registration_fixes_the_run(client: TestClient) -> None:
+    start(client, batch_size=8, wandb_group="g", wandb_project="p", starting_step=5)
+    other = client.post("/register", json={**ATROPOS_REGISTRATION, "batch_size": 64}).json()["uuid"]
+    assert other > 0
+    assert client.get("/info").json() == {"batch_size": 8, "max_token_len": 512}
+    assert client.get("/wandb_info").json() == {"group": "g", "project": "p"}
+    assert client.get("/status").json()["current_step"] == 5
+
+
+def test_every_atropos_field_and_every_extra_key_reaches_the_trainer(client: TestClient) -> None:
+    start(client)
+    register_env(client)
+    plain = make_group(uid="plain")
+    client.post("/scored_data", json=plain)  # identity, one group
+    gz = make_group(uid="gz")
+    client.post("/scored_data_list", content=gzip.compress(json.dumps([gz]).encode()),
+                headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    two = [make_group(uid="l1"), {**make_group(uid="l2"), "custom": {"nested": [1, 2]}}]
+    client.post("/scored_data_list", content=gzip.compress(json.dumps(two).encode()),
+                headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    groups = [g for b in drain(client) for g in b["batch"]]
+    assert uids(groups) == ["plain", "gz", "l1", "l2"]
+    for g in groups:
+        assert set(SCORED_DATA_FIELDS) <= set(g)
+        assert g["episodes"][0]["outcome"] == "win" and g["env_id"] == 0
+        assert g["distill_token_ids"] is None and g["generation_params"] is None
+        assert g["advantages"] == [] and g["group_overrides"] == {}
+        assert g["tokens"] == plain["tokens"] and g["inference_logprobs"] == plain["inference_logprobs"]
+    assert groups[3]["custom"] == {"nested": [1, 2]}
+
+
+def test_extra_keys_holding_nan_become_null(client: TestClient) -> None:
+    start(client, batch_size=4)
+    register_env(client)
+    body = json.dumps(make_group()).replace('"outcome": "win"', '"outcome": NaN', 1)
+    assert client.post("/scored_data", content=body, headers={"Content-Type": "application/json"}).status_code == 200
+    batch = client.get("/batch")
+    assert b"NaN" not in batch.content
+    assert batch.json()["batch"][0]["episodes"][0]["outcome"] is None
+
+
+def test_a_batch_is_kept_until_the_next_request_and_resent_after_a_trainer_restart(client: TestClient) -> None:
+    start(client)
+    register_env(client)
+    for i in range(6):
+        client.post("/scored_data", json=make_group(uid=f"u{i}"))
+    first = client.get("/batch").json()
+    assert (first["batch_id"], first["step"], first["redelivered"]) == (1, 1, False)
+    assert uids(first["batch"]) == ["u0", "u1"]
+    # The trainer crashes mid-step and comes back: registers, asks again, gets the same batch.
+    client.post("/register", json=ATROPOS_REGISTRATION)
+    again = client.get("/batch").json()
+    assert (again["batch_id"], again["step"], again["redelivered"]) == (1, 1, True)
+    assert again["batch"] == first["batch"]
+    # Asking again acknowledges it.
+    second = client.get("/batch").json()
+    assert (second["batch_id"], second["step"], uids(second["batch"])) == (2, 2, ["u2", "u3"])
+    assert client.get("/status").json() == {"current_step": 2, "queue_size": 2}
+
+
+def test_explicit_ack_resends_a_batch_whose_response_was_lost(client: TestClient) -> None:
+    start(client)
+    register_env(client)
+    for i in range(6):
+        client.post("/scored_data", json=make_group(uid=f"u{i}"))
+    got = client.get("/batch", params={"ack": 0}).json()
+    assert got["batch_id"] == 1
+    lost = client.get("/batch", params={"ack": 1}).json()  # acknowledges 1, forms 2 ... response lost
+    assert lost["batch_id"] == 2
+    retry = client.get("/batch", params={"ack": 1}).json()  # still acknowledging 1: 2 was not received
+    assert (retry["batch_id"], retry["redelivered"], retry["batch"]) == (2, True, lost["batch"])
+    nxt = client.get("/batch", params={"ack": 2}).json()
+    assert (nxt["batch_id"], uids(nxt["batch"])) == (3, ["u4", "u5"])
+    assert client.get("/batch", params={"ack": "x"}).status_code == 422
+
+
+def test_heterogeneous_groups_pack_into_exact_batches(client: TestClient) -> None:
+    start(client, batch_size=8)
+    a = register_env(client, 4, desired_name="a")
+    b = register_env(client, 2, desired_name="b")
+    sizes = [(a, 4), (b, 2), (a, 4), (b, 2), (b, 2), (a, 4), (b, 2)]
+    for i, (env, n) in enumerate(sizes):
+        assert client.post("/scored_data", json=make_group(n=n, env_id=env, uid=f"u{i}")).status_code == 200
+    batches = drain(client)
+    # Shortest prefix that can fill a batch, older groups preferred within it.
+    assert [uids(b["batch"]) for b in batches] == [["u0", "u2"], ["u1", "u3", "u5"]]
+    assert all(sum(len(g["tokens"]) for g in b["batch"]) == 8 for b in batches)
+    assert client.get("/status").json()["queue_size"] == 2
+
+
+def test_min_batch_allocation_is_honoured(client: TestClient) -> None:
+    start(client, batch_size=8)
+    big = register_env(client, 4, desired_name="big")
+    small = register_env(client, 2, desired_name="small", min_batch_allocation=0.5)
+    for i in range(4):
+        client.post("/scored_data", json=make_group(n=4, env_id=big, uid=f"big{i}"))
+    assert client.get("/batch").json()["batch"] is None  # "small" is owed half of every batch
+    for i in range(2):
+        client.post("/scored_data", json=make_group(n=2, env_id=small, uid=f"small{i}"))
+    batch = client.get("/batch").json()["batch"]
+    assert uids(batch) == ["big0", "small0", "small1"]
+    status = client.get("/status-env", params={"env_id": big}).json()
+    assert status["unallocated_fraction"] == 0.5
+
+
+def test_status_env_by_query_or_json_body(client: TestClient) -> None:
+    start(client, batch_size=8)
+    a = register_env(client, 4, max_token_length=1000, weight=1.0)
+    b = register_env(client, 4, max_token_length=1000, weight=3.0)
+    for i in range(3):
+        client.post("/scored_data", json=make_group(env_id=a, uid=f"a{i}"))
+    client.post("/scored_data", json=make_group(env_id=b, uid="b0"))
+    by_query = client.get("/status-env", params={"env_id": a}).json()
+    by_body = client.request("GET", "/status-env", json={"env_id": a}).json()
+    assert by_query == by_body
+    assert by_query == {
+        "current_step": 0,
+        "queue_size": 4,
+        "unallocated_fraction": 1.0,
+        "self_queue_size": 3,
+        "max_group_size": 4,
+        "env_weight": 0.25,
+    }
+    assert client.get("/status-env", params={"env_id": b}).json()["env_weight"] == 0.75
+    assert client.post("/disconnect-env", json={"env_id": b}).json() == {"status": "success"}
+    assert client.get("/status-env", params={"env_id": a}).json()["env_weight"] == 1.0
+    r = client.get("/status-env")
+    assert r.status_code == 422 and "EnvIdentifier" in r.json()["detail"]
+
+
+def test_latest_example(client: TestClient) -> None:
+    assert client.get("/latest_example").json()["tokens"] == []
+    start(client)
+    register_env(client)
+    client.post("/scored_data", json=make_group(uid="latest"))
+    example = client.get("/latest_example").json()
+    assert example["episodes"][0]["uid"] == "latest" and example["distill_logprobs"] is None
+
+
+def test_idempotency_key_queues_a_retried_post_once(client: TestClient) -> None:
+    start(client)
+    register_env(client)
+    headers = {"Idempotency-Key": "post-1"}
+    first = client.post("/scored_data_list", json=[make_group(uid="once")], headers=headers)
+    again = client.post("/scored_data_list", json=[make_group(uid="once")], headers=headers)
+    assert first.json() == again.json() == {"status": "received", "groups_processed": 1}
+    assert client.get("/status").json()["queue_size"] == 1
+
+
+def test_backpressure_answers_503_with_retry_after_and_recovers(tmp_path: Path) -> None:
+    with TestClient(create_app(ApiConfig(db_path=tmp_path / "a.sqlite", max_queued_sequences=16))) as c:
+        start(c)
+        register_env(c)
+        r = c.post("/scored_data_list", json=[make_group(uid=str(i)) for i in range(5)])
+        assert r.status_code == 413 and "more than the queue may ever hold" in r.json()["detail"]
+        for i in range(4):
+            assert c.post("/scored_data", json=make_group(uid=f"u{i}")).status_code == 200
+        full = c.post("/scored_data", json=make_group(uid="late"))
+        assert full.status_code == 503 and full.headers["Retry-After"] == "2"
+        assert "queue is full" in full.json()["detail"]
+        assert c.get("/batch").json()["batch"] is not None
+        assert c.get("/batch").json()["batch"] is not None  # acknowledges the first batch
+        assert c.post("/scored_data", json=make_group(uid="late")).status_code == 200
+
+
+def test_token_guards_every_endpoint(tmp_path: Path) -> None:
+    app = create_app(ApiConfig(db_path=tmp_path / "a.sqlite", token="s3cret"))
+    with TestClient(app) as anon:
+        for method, path in [("GET", "/"), ("GET", "/status"), ("GET", "/batch"), ("POST", "/register"),
+                             ("POST", "/register-env"), ("POST", "/scored_data"), ("POST", "/scored_data_list"),
+                             ("GET", "/status-env"), ("GET", "/info"), ("GET", "/wandb_info"),
+                             ("POST", "/disconnect-env"), ("GET", "/latest_example"), ("GET", "/reset_data"),
+                             ("POST", "/reset_data"), ("GET", "/openapi.json")]:
+            r = anon.request(method, path)
+            assert r.status_code == 401, (method, path)
+            assert r.headers["WWW-Authenticate"] == "Bearer"
+        assert anon.get("/status", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        auth = {"Authorization": "Bearer s3cret"}
+        assert anon.post("/register", json=ATROPOS_REGISTRATION, headers=auth).status_code == 200
+        assert anon.get("/info", headers=auth).json()["batch_size"] == 8
+        assert anon.get("/reset_data", headers=auth).text == "Reset successful"
+        assert anon.get("/info", headers=auth).json()["batch_size"] == -1
+        assert anon.post("/reset_data", headers=auth).status_code == 200
+
+
+def test_reset_is_refused_without_a_configured_token(client: TestClient) -> None:
+    start(client)
+    for method in ("GET", "POST"):
+        r = client.request(method, "/reset_data")
+        assert r.status_code == 403 and "token" in r.json()["detail"]
+    assert client.get("/info").json()["batch_size"] == 8
+
+
+def test_cors_is_off_by_default_and_opt_in(tmp_path: Path) -> None:
+    origin = {"Origin": "https://dash.example"}
+    with TestClient(create_app(ApiConfig(db_path=tmp_path / "a.sqlite"))) as c:
+        assert "access-control-allow-origin" not in c.get("/status", headers=origin).headers
+    cfg = ApiConfig(db_path=tmp_path / "b.sqlite", token="t", cors_origins=["https://dash.example"])
+    with TestClient(create_app(cfg)) as c:
+        pre = c.options("/status", headers={**origin, "Access-Control-Request-Method": "GET",
+                                            "Access-Control-Request-Headers": "authorization"})
+        assert pre.status_code == 200
+        assert pre.headers["access-control-allow-origin"] == "https://dash.example"
+        r = c.get("/status", headers={**origin, "Authorization": "Bearer t"})
+        assert r.headers["access-control-allow-origin"] == "https://dash.example"
+        other = c.get("/status", headers={"Origin": "https://evil.example", "Authorization": "Bearer t"})
+        assert "access-control-allow-origin" not in other.headers
+
+
+def test_a_second_server_on_the_same_database_is_refused(tmp_path: Path) -> None:
+    cfg = ApiConfig(db_path=tmp_path / "a.sqlite")
+    with TestClient(create_app(cfg)):
+        with pytest.raises(RuntimeError, match="another trajectory API process"):
+            with TestClient(create_app(cfg)):
+                pass
+
+
+# --- the async environment client, against the app in-process ------------------------------
+
+
+async def _with_app(tmp_path: Path, config: dict[str, Any], body: Any) -> None:
+    app = create_app(ApiConfig(db_path=tmp_path / "api.sqlite", **config))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as trainer:
+            await body(transport, trainer)
+
+
+def test_env_client_waits_for_the_trainer_then_honours_retry_after(tmp_path: Path) -> None:
+    async def body(transport: httpx.AsyncBaseTransport, trainer: httpx.AsyncClient) -> None:
+        fast = RetryPolicy(attempts=20, base_delay_s=0.01, max_delay_s=0.05)
+        async with EnvClient("http://api", transport=transport, retry=fast) as env:
+            registering = asyncio.create_task(env.register_env(RegisterEnv(**atropos_register_env(4)),
+                                                               poll_interval_s=0.02, timeout_s=5))
+            await asyncio.sleep(0.1)
+            assert not registering.done()  # waiting for the trainer
+            await trainer.post("/register", json=ATROPOS_REGISTRATION)
+            await trainer.get("/batch")
+            assert (await registering).env_id == 0
+            await env.send_groups([make_group(uid=str(i), env_id=None) for i in range(4)])  # fills the cap
+            assert (await env.status_env()).self_queue_size == 4
+
+            async def drain_later() -> None:
+                await asyncio.sleep(0.5)
+                await trainer.get("/batch")
+                await trainer.get("/batch")
+
+            drainer = asyncio.create_task(drain_later())
+            t0 = time.monotonic()
+            assert (await env.send_groups([make_group(uid="late", env_id=None)]))["status"] == "received"
+            assert time.monotonic() - t0 >= 0.9  # waited for Retry-After: 1, not the 0.05 s backoff
+            await drainer
+            with pytest.raises(ApiRejected) as refused:
+                t0 = time.monotonic()
+                await env.send_groups([make_group(n=3)])
+            assert refused.value.status == 422 and "must divide 8" in refused.value.detail
+            assert time.monotonic() - t0 < 0.5  # not retried
+
+    asyncio.run(_with_app(tmp_path, {"max_queued_sequences": 16, "retry_after_s": 1}, body))
+
+
+def test_env_client_keeps_refused_posts_in_the_outbox(tmp_path: Path) -> None:
+    async def body(transport: httpx.AsyncBaseTransport, trainer: httpx.AsyncClient) -> None:
+        await trainer.post("/register", json=ATROPOS_REGISTRATION)
+        await trainer.get("/batch")
+        async with EnvClient("http://api", transport=transport, outbox=tmp_path / "outbox.sqlite") as env:
+            await env.register_env(RegisterEnv(**atropos_register_env(4)))
+            ok = await env.submit([make_group(uid="a")])
+            assert (ok.sent_groups, ok.parked_groups, ok.rejected) == (1, 0, [])
+            refused = await env.submit([make_group(n=3)])
+            assert refused.sent_groups == 0 and refused.rejected[0].status == 422
+            assert env.outbox is not None and env.outbox.rejected()[0].detail.startswith("group 0: group has 3")
+            assert (await env.submit([make_group(uid="b")])).sent_groups == 1
+
+    asyncio.run(_with_app(tmp_path, {}, body))
