@@ -1,0 +1,209 @@
+"""The command line: `blackjack-rl solve | process | evaluate | api | serve`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+from rich.console import Console
+
+# flag -> (section, field); flags left unset keep YAML / environment / default values
+_OVERRIDES: dict[str, tuple[str | None, str]] = {
+    "seed": (None, "seed"),
+    "out": (None, "out"),
+    "policy": ("policy", "kind"),
+    "model_path": ("policy", "model_path"),
+    "base_url": ("policy", "base_url"),
+    "model": ("policy", "model"),
+    "api_key": ("policy", "api_key"),
+    "tokenizer": ("policy", "tokenizer"),
+    "temperature": ("policy", "temperature"),
+    "top_p": ("policy", "top_p"),
+    "max_tokens": ("policy", "max_tokens"),
+    "timeout": ("policy", "timeout"),
+    "retries": ("policy", "retries"),
+    "native_tools": ("policy", "native_tools"),
+    "constrained": ("policy", "constrained"),
+    "threshold": ("policy", "threshold"),
+    "threads": ("policy", "n_threads"),
+    "natural": ("game", "natural"),
+    "sab": ("game", "sab"),
+    "max_turns": ("game", "max_turns"),
+    "invalid_score": ("episode", "invalid_score"),
+    "max_token_length": ("episode", "max_token_length"),
+    "groups": ("process", "groups"),
+    "group_size": ("groups", "group_size"),
+    "drop_equal_scores": ("groups", "drop_equal_scores"),
+    "episodes": ("evaluate", "episodes"),
+}
+
+
+def _add_rules(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("rules (Gymnasium Blackjack-v1)")
+    g.add_argument("--natural", action="store_true", default=None, help="a natural blackjack pays 1.5")
+    g.add_argument("--sab", action="store_true", default=None, help="Sutton & Barto rules (override --natural)")
+
+
+def _add_play(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML settings file (flags and BLACKJACK_RL_* env vars override it)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default runs/latest)")
+    p.add_argument("--seed", type=int, help="base seed (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    g = p.add_argument_group("policy")
+    g.add_argument("--policy", choices=["embedded", "openai", "optimal", "threshold", "random"],
+                   help="who plays (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--model-path", metavar="GGUF", help="another GGUF for the embedded policy")
+    g.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    g.add_argument("--model", help="model name on the server")
+    g.add_argument("--api-key", help="server API key (or BLACKJACK_RL_POLICY__API_KEY)")
+    g.add_argument("--tokenizer", help="Hugging Face tokenizer name or folder (or a .gguf) for the trajectory tokens")
+    g.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--max-tokens", type=int, help="new tokens per model turn (default 64)")
+    g.add_argument("--timeout", type=float, help="seconds per server request (default 60)")
+    g.add_argument("--retries", type=int, help="retries on timeouts and 5xx (default 2)")
+    g.add_argument("--native-tools", action="store_true", default=None, help="send the tool schema as `tools`")
+    g.add_argument("--constrained", action="store_true", default=None,
+                   help="grammar-constrained decoding (embedded): every answer is a valid call")
+    g.add_argument("--threshold", type=int, help="the threshold bot hits below this sum (default 17)")
+    g.add_argument("--threads", type=int, help="llama.cpp threads (default: all cores)")
+    g = p.add_argument_group("episodes")
+    g.add_argument("--max-turns", type=int, help="model turns per episode (default 10)")
+    g.add_argument("--invalid-score", type=float, help="score of an invalid answer (default -1.0)")
+    g.add_argument("--max-token-length", type=int, help="token budget per episode (default 1024)")
+    g.add_argument("--concurrency", type=int, help="episodes played at once (default 64)")
+    _add_rules(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="blackjack-rl",
+        description="Train and evaluate LLM agents on Blackjack with reinforcement learning.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("solve", help="exact optimal policy and its value",
+                       description="Solve the chosen rules exactly: expected return, outcome odds, strategy chart.")
+    _add_rules(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output, with every Q*(s, a)")
+
+    p = sub.add_parser("process", help="play groups and write an Atropos dataset (JSONL + HTML)",
+                       description="Play N groups (all episodes of a group share one deal) and write "
+                                   "OUT/groups.jsonl, one Atropos ScoredDataGroup a line, and OUT/groups.html.")
+    _add_play(p)
+    p.add_argument("--groups", type=int, help="number of groups (default 8)")
+    p.add_argument("--group-size", type=int, help="episodes per group (default 16)")
+    p.add_argument("--drop-equal-scores", action="store_true", default=None,
+                   help="skip groups whose scores are all equal (no GRPO signal)")
+
+    p = sub.add_parser("evaluate", help="play the fixed evaluation deals and report metrics",
+                       description="Play the fixed evaluation seeds and write OUT/metrics.json and OUT/samples.jsonl.")
+    _add_play(p)
+    p.add_argument("--episodes", type=int, help="evaluation deals (default 1000)")
+    p.add_argument("--no-samples", action="store_true", help="do not write samples.jsonl")
+
+    sub.add_parser("api", help="run the trajectory API (Atropos-compatible)", add_help=False,
+                   description="Run the trajectory API; see `blackjack-rl api --help`.")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace):
+    from .config import load_settings
+
+    overrides: dict[str, Any] = {}
+    for flag, (section, field) in _OVERRIDES.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        (overrides.setdefault(section, {}) if section else overrides)[field] = value
+    concurrency = getattr(args, "concurrency", None)
+    if concurrency is not None:
+        overrides.setdefault("groups", {})["concurrency"] = concurrency
+        overrides.setdefault("evaluate", {})["concurrency"] = concurrency
+    if getattr(args, "no_samples", False):
+        overrides.setdefault("evaluate", {})["samples"] = False
+    return load_settings(getattr(args, "config", None), overrides)
+
+
+def _cmd_solve(args: argparse.Namespace, console: Console) -> int:
+    from .game import Rules
+    from .report.console import print_solution, solution_json
+    from .solver import solve
+
+    solution = solve(Rules(natural=bool(args.natural), sab=bool(args.sab)))
+    if args.json:
+        print(json.dumps(solution_json(solution), indent=2))
+    else:
+        print_solution(solution, console)
+    return 0
+
+
+def _cmd_process(args: argparse.Namespace, console: Console) -> int:
+    from .runner import build_player, run_process
+
+    settings = settings_from_args(args)
+    player = build_player(settings)
+
+    async def main():
+        try:
+            return await run_process(settings, player, progress=not args.quiet)
+        finally:
+            await player.policy.aclose()
+
+    s = asyncio.run(main())
+    console.print(
+        f"Wrote {s.groups_written} groups ({s.episodes} episodes, {s.episodes_failed} failed"
+        + (f", dropped {s.groups_dropped}" if s.groups_dropped else "")
+        + f") in {s.seconds:.1f}s to [bold]{s.out_file}[/bold]; browse them in [bold]{s.html_file}[/bold]"
+    )
+    return 0 if s.episodes_failed == 0 else 3
+
+
+def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
+    from .report.console import print_metrics
+    from .runner import build_player, run_evaluate
+
+    settings = settings_from_args(args)
+    player = build_player(settings)
+
+    async def main():
+        try:
+            return await run_evaluate(settings, player, progress=not args.quiet)
+        finally:
+            await player.policy.aclose()
+
+    metrics = asyncio.run(main())
+    print_metrics(metrics, console)
+    console.print(f"Metrics in [bold]{settings.out}/metrics.json[/bold]"
+                  + (f", every episode in [bold]{settings.out}/samples.jsonl[/bold]" if settings.evaluate.samples else ""))
+    return 0 if metrics["episodes_failed"] == 0 else 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["api"]:
+        from .api.cli import main as api_main
+
+        return api_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    console = Console(stderr=False)
+    handlers = {"solve": _cmd_solve, "process": _cmd_process, "evaluate": _cmd_evaluate}
+    try:
+        return handlers[args.command](args, console)
+    except (ValidationError, ValueError, FileNotFoundError) as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {exc}")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

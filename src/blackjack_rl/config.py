@@ -1,0 +1,114 @@
+"""Settings, one pydantic model per concern.
+
+Precedence, highest first: command-line flags, environment variables
+(`BLACKJACK_RL_<SECTION>__<FIELD>`, e.g. `BLACKJACK_RL_POLICY__BASE_URL`), the YAML
+file given with `--config`, then the defaults below, which run out of the box on
+the embedded model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
+
+from .game import Rules
+
+PolicyKind = Literal["embedded", "openai", "optimal", "threshold", "random"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GameConfig(_Section):
+    natural: bool = Field(False, description="a natural pays 1.5 (Blackjack-v1 `natural`)")
+    sab: bool = Field(False, description="Sutton & Barto rules (Blackjack-v1 `sab`); overrides natural")
+    max_turns: int = Field(10, ge=1, le=64, description="model turns before an unfinished episode is cut")
+
+    @property
+    def rules(self) -> Rules:
+        return Rules(natural=self.natural, sab=self.sab)
+
+
+class PolicyConfig(_Section):
+    kind: PolicyKind = "embedded"
+    model_path: str | None = Field(None, description="a GGUF for the embedded policy (default: SmolLM2-135M-Instruct)")
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str | None = Field(None, description="model name on the server")
+    api_key: str | None = None
+    tokenizer: str | None = Field(
+        None, description="Hugging Face tokenizer name or folder (default: --model for servers, the embedded GGUF for bots)"
+    )
+    temperature: float = Field(1.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k (embedded only)")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    max_tokens: int = Field(64, ge=1, le=8192, description="new tokens per model turn")
+    timeout: float = Field(60.0, gt=0)
+    retries: int = Field(2, ge=0, le=10)
+    native_tools: bool = Field(False, description="send the tool schema as `tools` (server-side tool parser)")
+    constrained: bool = Field(False, description="grammar-constrained decoding: always a valid call (play/eval only)")
+    threshold: int = Field(17, ge=2, le=22, description="the threshold bot hits below this sum")
+    n_threads: int | None = Field(None, ge=1)
+    n_ctx: int | None = Field(None, ge=256, description="llama.cpp context (default: the episode token budget)")
+
+    @model_validator(mode="after")
+    def _server_needs_model(self) -> "PolicyConfig":
+        if self.kind == "openai" and not self.model:
+            raise ValueError("--policy openai needs --model NAME (the model name the server serves)")
+        return self
+
+
+class EpisodeConfig(_Section):
+    invalid_score: float = Field(-1.0, description="score of an episode that ends on an invalid answer")
+    max_token_length: int = Field(1024, ge=128, description="token budget of a whole episode (prompt + all turns)")
+
+
+class GroupConfig(_Section):
+    group_size: int = Field(16, ge=1, le=1024, description="episodes per group, all on one deal")
+    drop_equal_scores: bool = Field(False, description="drop groups whose scores are all equal (no GRPO signal)")
+    concurrency: int = Field(64, ge=1, description="episodes played at once")
+
+
+class EvalConfig(_Section):
+    episodes: int = Field(1000, ge=1)
+    concurrency: int = Field(64, ge=1)
+    samples: bool = Field(True, description="write every episode to samples.jsonl")
+
+
+class ProcessConfig(_Section):
+    groups: int = Field(8, ge=1)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="BLACKJACK_RL_", env_nested_delimiter="__", extra="forbid", nested_model_default_partial_update=True
+    )
+
+    seed: int = Field(0, description="base seed: fixes the deals (process) and sampling seeds")
+    out: Path = Field(Path("runs/latest"), description="output folder")
+    game: GameConfig = GameConfig()
+    policy: PolicyConfig = PolicyConfig()
+    episode: EpisodeConfig = EpisodeConfig()
+    groups: GroupConfig = GroupConfig()
+    evaluate: EvalConfig = EvalConfig()
+    process: ProcessConfig = ProcessConfig()
+
+
+def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
+    """Merge defaults < YAML file < environment < `overrides` (the command line)."""
+    if config_file is not None and not Path(config_file).is_file():
+        raise FileNotFoundError(f"config file {config_file} does not exist")
+
+    class _Loaded(Settings):
+        @classmethod
+        def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+            sources = [init_settings, env_settings]
+            if config_file is not None:
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
+            return tuple(sources)
+
+    return _Loaded(**(overrides or {}))

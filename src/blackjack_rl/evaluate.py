@@ -1,0 +1,106 @@
+"""Evaluation on a fixed seed set: the same deals for every model, scored against Q*.
+
+Outcomes are noisy (per-episode sd ~0.95: 100 episodes cannot tell optimal play
+from always-stick), so besides win/draw/loss with confidence intervals we score
+every decision against the exact optimal action (accuracy, regret), which is
+measurable on a few hundred episodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+from typing import Any, Callable, Iterable
+
+from .episode import Episode
+from .groups import Player
+from .solver import baselines
+
+# Training seeds are drawn below 2**32; evaluation deals start far above, so the two
+# sets can never overlap, and episode i of every evaluation is the same deal.
+EVAL_SEED_BASE = 10**12
+Z95 = 1.959963984540054
+
+
+def eval_seeds(n: int) -> range:
+    return range(EVAL_SEED_BASE, EVAL_SEED_BASE + n)
+
+
+async def run_evaluation(
+    player: Player,
+    episodes: int,
+    concurrency: int = 64,
+    on_episode: Callable[[Episode], None] | None = None,
+) -> list[Episode]:
+    """Play `episodes` fixed deals, `concurrency` at a time; results in seed order."""
+    limiter = asyncio.Semaphore(concurrency)
+
+    async def one(seed: int) -> Episode:
+        async with limiter:
+            ep = await player.episode(seed, 0)
+        if on_episode is not None:
+            on_episode(ep)
+        return ep
+
+    return list(await asyncio.gather(*(one(s) for s in eval_seeds(episodes))))
+
+
+def mean_ci(values: list[float]) -> dict[str, float | None]:
+    n = len(values)
+    if n == 0:
+        return {"mean": None, "ci95_low": None, "ci95_high": None, "stderr": None, "n": 0}
+    mean = math.fsum(values) / n
+    var = math.fsum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    se = math.sqrt(var / n)
+    return {"mean": mean, "ci95_low": mean - Z95 * se, "ci95_high": mean + Z95 * se, "stderr": se, "n": n}
+
+
+def rate_ci(k: int, n: int) -> dict[str, float | None]:
+    """Wilson interval: sane at 0% and 100%, where the normal approximation collapses."""
+    if n == 0:
+        return {"rate": None, "ci95_low": None, "ci95_high": None}
+    p = k / n
+    denom = 1 + Z95**2 / n
+    centre = (p + Z95**2 / (2 * n)) / denom
+    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / denom
+    return {"rate": p, "ci95_low": max(0.0, centre - half), "ci95_high": min(1.0, centre + half)}
+
+
+def compute_metrics(episodes: Iterable[Episode], player: Player) -> dict[str, Any]:
+    episodes = list(episodes)
+    played = [ep for ep in episodes if not ep.failed]
+    n = len(played)
+    outcomes = Counter(ep.outcome for ep in played if ep.status == "finished")
+    invalid = Counter(ep.invalid_reason for ep in played if ep.status in ("invalid", "truncated"))
+    decisions = [d for ep in played for d in ep.decisions]
+    valid = [d for d in decisions if d.action is not None]
+    rules = player.solution.rules
+    refs = baselines(rules)
+    return {
+        "policy": player.policy.generation_params(),
+        "rules": rules.model_dump(),
+        "seeds": {"first": EVAL_SEED_BASE, "count": len(episodes)},
+        "episodes": len(episodes),
+        "episodes_played": n,
+        "episodes_failed": len(episodes) - n,
+        "failure_examples": [ep.error for ep in episodes if ep.failed][:5],
+        "win": rate_ci(outcomes["win"], n),
+        "draw": rate_ci(outcomes["draw"], n),
+        "loss": rate_ci(outcomes["loss"], n),
+        "invalid": rate_ci(sum(invalid.values()), n),
+        "invalid_by_reason": {reason: {"count": k, "rate": k / n} for reason, k in sorted(invalid.items())},
+        "mean_reward": mean_ci([ep.score for ep in played]),
+        "mean_game_reward": mean_ci([ep.reward for ep in played if ep.status == "finished"]),
+        "decisions": len(decisions),
+        "valid_decisions": len(valid),
+        "decision_accuracy": rate_ci(sum(d.action == d.optimal for d in decisions), len(decisions)),
+        "decision_accuracy_valid": rate_ci(sum(d.action == d.optimal for d in valid), len(valid)),
+        "mean_regret": mean_ci([d.regret for d in valid]),
+        "reference": {
+            name: {"value": o.value, "win": o.win, "draw": o.draw, "loss": o.loss} for name, o in refs.items()
+        },
+        "optimal_value": refs["optimal"].value,
+        "invalid_score": player.settings.invalid_score,
+    }

@@ -1,0 +1,128 @@
+"""A group of episodes on one deal -> an Atropos `ScoredDataGroup`.
+
+Every episode of a group starts from the same seed, hence the same cards and the
+byte-identical prompt that GRPO's group baseline (and trainers that take the shared
+prefix as the prompt) rely on; only the model's sampling differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+from .episode import Episode, EpisodeSettings, play_episode
+from .game import Rules, Table
+from .policies.base import Policy
+from .solver import Solution
+from .tokens import ChatFormat
+
+
+class ScoredDataGroup(TypedDict, total=False):
+    """Atropos' wire format (one JSONL line, one API post), plus our `episodes` metadata."""
+
+    tokens: list[list[int]]
+    masks: list[list[int]]
+    scores: list[float]
+    inference_logprobs: list[list[float]]
+    advantages: list[list[float]] | None
+    ref_logprobs: list[list[float]] | None
+    messages: list[list[dict[str, str]]]
+    generation_params: dict[str, Any]
+    overrides: list[dict[str, Any]] | None
+    group_overrides: dict[str, Any] | None
+    env_id: int | None
+    episodes: list[dict[str, Any]]
+
+
+class TablePool:
+    """Gymnasium envs reused across episodes: one per episode in flight, never one per episode."""
+
+    def __init__(self, rules: Rules) -> None:
+        self.rules = rules
+        self._free: list[Table] = []
+
+    def acquire(self) -> Table:
+        return self._free.pop() if self._free else Table(self.rules)
+
+    def release(self, table: Table) -> None:
+        self._free.append(table)
+
+
+@dataclass
+class Player:
+    """What it takes to play episodes: the policy, its tokenizer's chat format, the solved rules."""
+
+    policy: Policy
+    chat: ChatFormat
+    solution: Solution
+    settings: EpisodeSettings = field(default_factory=EpisodeSettings)
+    tables: TablePool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tables = TablePool(self.solution.rules)
+
+    async def episode(self, seed: int, index: int = 0) -> Episode:
+        table = self.tables.acquire()
+        try:
+            return await play_episode(table, self.policy, self.chat, self.solution, seed, index, self.settings)
+        finally:
+            self.tables.release(table)
+
+
+@dataclass
+class GroupResult:
+    seed: int
+    episodes: list[Episode]
+    group: ScoredDataGroup | None  # None when dropped
+    dropped: str | None = None  # "failed_episodes" or "equal_scores"
+
+
+async def play_group(
+    player: Player,
+    seed: int,
+    group_size: int,
+    *,
+    drop_equal_scores: bool = False,
+    limiter: asyncio.Semaphore | None = None,
+) -> GroupResult:
+    async def one(i: int) -> Episode:
+        if limiter is None:
+            return await player.episode(seed, i)
+        async with limiter:  # taken once per episode: no nested acquisition, no deadlock
+            return await player.episode(seed, i)
+
+    episodes = list(await asyncio.gather(*(one(i) for i in range(group_size))))
+    if any(ep.failed for ep in episodes):
+        # A group with a hole would change GRPO's baseline and the group size the API
+        # expects; the failures stay visible in the counts instead.
+        return GroupResult(seed, episodes, None, "failed_episodes")
+    scores = [ep.score for ep in episodes]
+    if drop_equal_scores and len(episodes) > 1 and len(set(scores)) == 1:
+        return GroupResult(seed, episodes, None, "equal_scores")
+    return GroupResult(seed, episodes, pack_group(episodes, player.policy.generation_params()))
+
+
+def pack_group(episodes: list[Episode], generation_params: dict[str, Any]) -> ScoredDataGroup:
+    prompts = {tuple(ep.trajectory.tokens[: _prompt_length(ep)]) for ep in episodes}
+    if len(prompts) > 1:
+        raise ValueError("episodes of one group must share their prompt; were they dealt from different seeds?")
+    return ScoredDataGroup(
+        tokens=[ep.trajectory.tokens for ep in episodes],
+        masks=[ep.trajectory.masks for ep in episodes],
+        inference_logprobs=[ep.trajectory.logprobs for ep in episodes],
+        scores=[float(ep.score) for ep in episodes],
+        messages=[ep.messages for ep in episodes],
+        generation_params=generation_params,
+        overrides=None,
+        group_overrides=None,
+        episodes=[ep.summary() for ep in episodes],
+    )
+
+
+def _prompt_length(ep: Episode) -> int:
+    masks = ep.trajectory.masks
+    for i, m in enumerate(masks):
+        if m != -100:
+            return i
+    return len(masks)

@@ -1,0 +1,56 @@
+"""The one small interface every player implements: a conversation in, an answer out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from ..game import Observation
+
+
+class InferenceError(RuntimeError):
+    """The policy could not produce an answer (server down, timeout, HTTP error).
+
+    An episode that hits this is marked failed: it is not a game result, so it is
+    never scored as a loss or a draw (the Atropos original turned an HTTP 400 into a draw).
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """Everything a policy may look at when it answers.
+
+    LLM policies read `messages` or, when they can consume token ids exactly, `prompt_ids`;
+    scripted bots read `observation`.
+    """
+
+    messages: Sequence[dict]
+    prompt_ids: Sequence[int]
+    observation: Observation
+    natural: bool
+    seed: int
+
+
+@dataclass(slots=True)
+class Reply:
+    """An answer, and, when the policy knows them, the exact ids it sampled."""
+
+    text: str
+    tool_calls: list[Any] | None = None
+    completion_ids: list[int] | None = None  # ends with the end-of-turn id when sampled
+    logprobs: list[float] | None = None  # one per completion id
+    finish_reason: str = "stop"  # "stop" or "length"
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+
+    def generation_params(self) -> dict[str, Any]:
+        """Recorded with every group, so a dataset says how it was sampled."""
+        ...
+
+    async def respond(self, turn: Turn) -> Reply: ...
+
+    async def aclose(self) -> None: ...

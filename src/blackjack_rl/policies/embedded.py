@@ -1,0 +1,147 @@
+"""The default player: a GGUF model run in-process by llama.cpp (SmolLM2-135M-Instruct).
+
+It consumes and returns token ids directly, so a trajectory holds exactly the ids
+the model read and sampled, with the model's logprob of each sampled id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..protocol import ACTION_NAMES, TOOL_NAME
+from ..tokens import ChatFormat, LlamaCppTokenizer, embedded_model_path
+from .base import InferenceError, Reply, Turn
+
+# A call can only be `<tool_call>` + this one JSON object + `</tool_call>`; the
+# model then has to stop. Used for play and evaluation, never for training data:
+# constraining changes the distribution the answers were sampled from.
+TOOL_CALL_GRAMMAR = (
+    'root ::= "<tool_call>\\n{\\"name\\": \\"' + TOOL_NAME + '\\", \\"arguments\\": {\\"action\\": \\"" '
+    + "(" + " | ".join(f'"{name}"' for name in ACTION_NAMES.values()) + ")"
+    + ' "\\"}}\\n</tool_call>"'
+)
+
+
+class EmbeddedPolicy:
+    """One llama.cpp context, shared by every concurrent episode of a worker.
+
+    llama.cpp keeps one KV cache, so requests run one at a time on a single worker
+    thread (the event loop stays free for progress and I/O); since the episodes of a
+    group share their prompt, the cache reuses that prefix between requests.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        max_tokens: int = 64,
+        n_ctx: int = 2048,
+        n_threads: int | None = None,
+        constrained: bool = False,
+    ) -> None:
+        from llama_cpp import Llama, LlamaGrammar
+
+        self.model_path = Path(model_path) if model_path else embedded_model_path()
+        if not self.model_path.is_file():
+            raise FileNotFoundError(f"no GGUF model at {self.model_path}")
+        self.temperature, self.top_p, self.top_k, self.min_p = temperature, top_p, top_k, min_p
+        self.max_tokens = max_tokens
+        self.constrained = constrained
+        self.llama = Llama(
+            model_path=str(self.model_path),
+            n_ctx=n_ctx,
+            n_threads=n_threads or max(1, (os.cpu_count() or 2)),
+            logits_all=True,  # logprobs of sampled tokens need the logits of every position
+            verbose=False,
+        )
+        self.name = self.model_path.stem
+        self.tokenizer = LlamaCppTokenizer(self.llama, self.model_path.name)
+        self.chat = ChatFormat.learn(self.tokenizer)
+        self._grammar = LlamaGrammar.from_string(TOOL_CALL_GRAMMAR, verbose=False) if constrained else None
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")
+        import llama_cpp
+
+        vocab = self.llama._model.vocab
+        self._is_end = lambda tok: bool(llama_cpp.llama_vocab_is_eog(vocab, tok))
+
+    def generation_params(self) -> dict[str, Any]:
+        return {
+            "policy": "embedded",
+            "model": self.model_path.name,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "max_tokens": self.max_tokens,
+            "constrained": self.constrained,
+            "logprobs": "model log-softmax at temperature 1 of each sampled token",
+        }
+
+    async def respond(self, turn: Turn) -> Reply:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, self.generate, list(turn.prompt_ids), turn.seed)
+
+    def generate(self, prompt_ids: list[int], seed: int) -> Reply:
+        if not prompt_ids:
+            raise InferenceError("empty prompt")
+        if len(prompt_ids) + self.max_tokens > self.llama.n_ctx():
+            raise InferenceError(
+                f"prompt of {len(prompt_ids)} tokens + {self.max_tokens} new tokens exceeds the "
+                f"context of {self.llama.n_ctx()}; raise n_ctx or lower max_token_length"
+            )
+        try:
+            return self._sample(prompt_ids, seed)
+        except Exception as exc:  # llama.cpp failures are inference failures, not game results
+            raise InferenceError(f"llama.cpp generation failed: {exc!r}") from exc
+
+    def _sample(self, prompt_ids: list[int], seed: int) -> Reply:
+        """Not thread-safe: call from the policy's single worker thread (or synchronously)."""
+        llama = self.llama
+        llama.set_seed(seed & 0x7FFFFFFF)
+        ids: list[int] = []
+        finish = "length"
+        for tok in llama.generate(
+            prompt_ids,
+            temp=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repeat_penalty=1.0,
+            grammar=self._grammar,
+        ):
+            ids.append(int(tok))
+            if self._is_end(tok):
+                finish = "stop"
+                break
+            if len(ids) >= self.max_tokens:
+                break
+        start = len(prompt_ids) - 1
+        logits = np.asarray(llama.scores[start : start + len(ids)], dtype=np.float64)
+        logprobs = _log_softmax_at(logits, ids)
+        answer = ids[:-1] if finish == "stop" else ids
+        return Reply(
+            text=self.tokenizer.decode(answer),
+            completion_ids=ids,
+            logprobs=logprobs,
+            finish_reason=finish,
+        )
+
+    async def aclose(self) -> None:
+        self._worker.shutdown(wait=True)
+        self.llama.close()
+
+
+def _log_softmax_at(logits: np.ndarray, ids: list[int]) -> list[float]:
+    peak = logits.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
+    return (logits[np.arange(len(ids)), ids] - log_norm).tolist()

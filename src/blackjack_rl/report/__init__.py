@@ -1,0 +1,1 @@
+"""Pages and console tables a person reads: the dataset view, evaluation summaries."""

@@ -1,0 +1,93 @@
+"""Console tables: what `solve`, `evaluate` and `process` print for a person."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table as RichTable
+
+from ..solver import DEALER_CARDS, HIT, Solution, baselines
+
+
+def _dealer_label(d: int) -> str:
+    return "A" if d == 1 else str(d)
+
+
+def print_solution(solution: Solution, console: Console) -> None:
+    refs = baselines(solution.rules)
+    console.print(f"[bold]{solution.rules.describe()}[/bold]: exact optimal play (infinite deck)")
+    t = RichTable(title="Expected return per hand", show_lines=False)
+    for col in ("policy", "expected return", "win", "draw", "loss"):
+        t.add_column(col, justify="right" if col != "policy" else "left")
+    for name, o in refs.items():
+        t.add_row(name.replace("_", " "), f"{o.value:+.5f}", f"{o.win:.2%}", f"{o.draw:.2%}", f"{o.loss:.2%}")
+    console.print(t)
+    for soft in (False, True):
+        chart = RichTable(title=f"Optimal action, {'soft' if soft else 'hard'} hands (H = hit, S = stick)")
+        chart.add_column("sum \\ dealer", justify="right")
+        for d in DEALER_CARDS:
+            chart.add_column(_dealer_label(d), justify="center")
+        for s, row in solution.chart(soft).items():
+            chart.add_row(str(s), *("[red]H[/red]" if row[d] == HIT else "[green]S[/green]" for d in DEALER_CARDS))
+        console.print(chart)
+
+
+def solution_json(solution: Solution) -> dict[str, Any]:
+    refs = baselines(solution.rules)
+    return {
+        "rules": solution.rules.model_dump(),
+        "expected_return": solution.value,
+        "win": solution.start.win,
+        "draw": solution.start.draw,
+        "loss": solution.start.loss,
+        "baselines": {k: {"value": o.value, "win": o.win, "draw": o.draw, "loss": o.loss} for k, o in refs.items()},
+        "chart": {
+            kind: {str(s): {_dealer_label(d): ("hit" if a == HIT else "stick") for d, a in row.items()}
+                   for s, row in solution.chart(kind == "soft").items()}
+            for kind in ("hard", "soft")
+        },
+        "q": [
+            {"player_sum": s, "dealer_card": d, "usable_ace": u, "natural": n, "stick": qs, "hit": qh}
+            for (s, d, u, n), (qs, qh) in sorted(solution.q.items())
+        ],
+    }
+
+
+def _pct(r: dict[str, Any]) -> str:
+    if r.get("rate") is None:
+        return "-"
+    return f"{r['rate']:.1%}  [{r['ci95_low']:.1%}, {r['ci95_high']:.1%}]"
+
+
+def print_metrics(m: dict[str, Any], console: Console) -> None:
+    policy = m["policy"]
+    name = policy.get("model") or policy.get("policy")
+    mode = " (grammar-constrained)" if policy.get("constrained") else ""
+    t = RichTable(title=f"Evaluation of {name}{mode}: {m['episodes']} fixed deals")
+    t.add_column("metric")
+    t.add_column("value (95% CI)", justify="right")
+    mr = m["mean_reward"]
+    t.add_row("episodes played / failed", f"{m['episodes_played']} / {m['episodes_failed']}")
+    if mr["mean"] is not None:
+        t.add_row("mean reward (invalid = %+.1f)" % m["invalid_score"],
+                  f"{mr['mean']:+.4f}  [{mr['ci95_low']:+.4f}, {mr['ci95_high']:+.4f}]")
+    t.add_row("win", _pct(m["win"]))
+    t.add_row("draw", _pct(m["draw"]))
+    t.add_row("loss", _pct(m["loss"]))
+    t.add_row("invalid answer", _pct(m["invalid"]))
+    for reason, v in m["invalid_by_reason"].items():
+        t.add_row(f"  {reason}", f"{v['count']} ({v['rate']:.1%})")
+    t.add_row("decisions (valid)", f"{m['decisions']} ({m['valid_decisions']})")
+    t.add_row("decision accuracy vs optimal", _pct(m["decision_accuracy"]))
+    if m["mean_regret"]["mean"] is not None:
+        t.add_row("mean regret per valid decision", f"{m['mean_regret']['mean']:.4f}")
+    console.print(t)
+    ref = m["reference"]
+    console.print(
+        f"For reference, same rules: optimal play {ref['optimal']['value']:+.4f} (win {ref['optimal']['win']:.1%}), "
+        f"always stick {ref['always_stick']['value']:+.4f}, uniform random {ref['random']['value']:+.4f}."
+    )
+    if m["episodes_failed"]:
+        console.print(f"[red]{m['episodes_failed']} episodes failed (no answer from the model): "
+                      f"{m['failure_examples'][:1]}[/red]")

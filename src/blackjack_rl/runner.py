@@ -1,0 +1,163 @@
+"""Turns settings into a Player and runs the jobs that write files: process and evaluate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from .config import Settings
+from .episode import EpisodeSettings
+from .evaluate import compute_metrics, run_evaluation
+from .groups import GroupResult, Player, play_group
+from .solver import solve
+from .tokens import ChatFormat, HFTokenizer, LlamaCppTokenizer, embedded_model_path
+
+
+def build_player(settings: Settings) -> Player:
+    p = settings.policy
+    solution = solve(settings.game.rules)
+    if p.kind == "embedded":
+        from .policies.embedded import EmbeddedPolicy
+
+        policy = EmbeddedPolicy(
+            p.model_path,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            min_p=p.min_p,
+            max_tokens=p.max_tokens,
+            n_ctx=p.n_ctx or settings.episode.max_token_length,
+            n_threads=p.n_threads,
+            constrained=p.constrained,
+        )
+        chat = policy.chat
+    else:
+        chat = ChatFormat.learn(_tokenizer_for(settings))
+        if p.kind == "openai":
+            from .policies.openai_chat import OpenAIChatPolicy
+
+            policy = OpenAIChatPolicy(
+                p.base_url,
+                p.model or "",
+                api_key=p.api_key,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                max_tokens=p.max_tokens,
+                timeout=p.timeout,
+                retries=p.retries,
+                native_tools=p.native_tools,
+            )
+        else:
+            from .policies.bots import OptimalBot, RandomBot, ThresholdBot
+
+            policy = {
+                "optimal": lambda: OptimalBot(solution),
+                "threshold": lambda: ThresholdBot(p.threshold),
+                "random": lambda: RandomBot(),
+            }[p.kind]()
+    episode = EpisodeSettings(
+        invalid_score=settings.episode.invalid_score,
+        max_turns=settings.game.max_turns,
+        max_token_length=settings.episode.max_token_length,
+        max_new_tokens=p.max_tokens,
+    )
+    return Player(policy, chat, solution, episode)
+
+
+def _tokenizer_for(settings: Settings):
+    """Bots are tokenized like the embedded model unless told otherwise; servers by their own tokenizer."""
+    p = settings.policy
+    name = p.tokenizer or (p.model if p.kind == "openai" else None)
+    if name is None:
+        return LlamaCppTokenizer.from_gguf(p.model_path or embedded_model_path())
+    if name.endswith(".gguf"):
+        return LlamaCppTokenizer.from_gguf(name)
+    return HFTokenizer(name)
+
+
+def group_seeds(seed: int, n: int) -> list[int]:
+    """Training deals: drawn below 2**32, disjoint from the evaluation seeds by construction."""
+    rng = random.Random(seed)
+    return [rng.randrange(2**32) for _ in range(n)]
+
+
+@dataclass
+class ProcessSummary:
+    groups_written: int
+    groups_dropped: dict[str, int]
+    episodes: int
+    episodes_failed: int
+    out_file: Path
+    html_file: Path | None
+    seconds: float
+
+
+async def run_process(settings: Settings, player: Player, progress: bool = True) -> ProcessSummary:
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "groups.jsonl"
+    g = settings.groups
+    seeds = group_seeds(settings.seed, settings.process.groups)
+    limiter = asyncio.Semaphore(g.concurrency)
+    # Enough groups in flight to keep `concurrency` episodes busy; written in seed
+    # order so the same --seed writes the same file.
+    window = max(1, g.concurrency // g.group_size) + 1
+    dropped: dict[str, int] = {}
+    written = episodes = failed = 0
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(seeds), desc="groups", unit="group", disable=not progress)
+    with path.open("w", encoding="utf-8") as fh:
+        pending: list[asyncio.Task[GroupResult]] = []
+        next_seed = 0
+        while next_seed < len(seeds) or pending:
+            while next_seed < len(seeds) and len(pending) < window:
+                pending.append(asyncio.create_task(
+                    play_group(player, seeds[next_seed], g.group_size,
+                               drop_equal_scores=g.drop_equal_scores, limiter=limiter)))
+                next_seed += 1
+            result = await pending.pop(0)
+            episodes += len(result.episodes)
+            failed += sum(ep.failed for ep in result.episodes)
+            if result.group is None:
+                dropped[result.dropped or "?"] = dropped.get(result.dropped or "?", 0) + 1
+            else:
+                fh.write(json.dumps(result.group, separators=(",", ":")) + "\n")
+                fh.flush()
+                written += 1
+            bar.update(1)
+            bar.set_postfix(written=written, failed_eps=failed)
+    bar.close()
+    from .report.dataset import write_dataset_view
+
+    html = write_dataset_view(path, out / "groups.html", player.chat.backend)
+    return ProcessSummary(written, dropped, episodes, failed, path, html, time.perf_counter() - t0)
+
+
+async def run_evaluate(settings: Settings, player: Player, progress: bool = True) -> dict[str, Any]:
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    n = settings.evaluate.episodes
+    bar = tqdm(total=n, desc="episodes", unit="ep", disable=not progress)
+    t0 = time.perf_counter()
+    episodes = await run_evaluation(player, n, settings.evaluate.concurrency, on_episode=lambda ep: bar.update(1))
+    bar.close()
+    seconds = time.perf_counter() - t0
+    metrics = compute_metrics(episodes, player)
+    metrics["seconds"] = seconds
+    metrics["episodes_per_second"] = len(episodes) / seconds if seconds > 0 else None
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    if settings.evaluate.samples:
+        with (out / "samples.jsonl").open("w", encoding="utf-8") as fh:
+            for ep in episodes:
+                row = ep.summary()
+                row["decisions"] = [d.to_dict() for d in ep.decisions]
+                row["messages"] = ep.messages
+                fh.write(json.dumps(row) + "\n")
+    return metrics
