@@ -107,6 +107,7 @@ class EmbeddedPolicy:
     def _sample(self, prompt_ids: list[int], seed: int) -> Reply:
         """Not thread-safe: call from the policy's single worker thread (or synchronously)."""
         llama = self.llama
+        self._prime(prompt_ids)
         llama.set_seed(seed & 0x7FFFFFFF)
         ids: list[int] = []
         finish = "length"
@@ -136,9 +137,36 @@ class EmbeddedPolicy:
             finish_reason=finish,
         )
 
+    def _prime(self, prompt_ids: list[int]) -> None:
+        """Put all but the last prompt token in the KV cache, reusing what is already there.
+
+        The logits a token is sampled from must not depend on what happened to be
+        cached: llama.cpp's single-token and batched kernels differ in the last bits,
+        enough to flip a sample. So the last prompt token is always decoded alone
+        (llama's `generate` then does exactly that), whatever the cache held, and the
+        same seed gives the same answer.
+        """
+        llama = self.llama
+        keep = min(_common_prefix(llama.input_ids[: llama.n_tokens], prompt_ids), len(prompt_ids) - 1)
+        if keep < llama.n_tokens:
+            if not llama._ctx.kv_cache_seq_rm(-1, keep, -1):
+                llama.reset()
+                keep = 0
+            llama.n_tokens = keep
+        if keep < len(prompt_ids) - 1:
+            llama.eval(prompt_ids[keep:-1])
+
     async def aclose(self) -> None:
         self._worker.shutdown(wait=True)
         self.llama.close()
+
+
+def _common_prefix(cached: np.ndarray, ids: list[int]) -> int:
+    n = min(len(cached), len(ids))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(cached[:n] != np.asarray(ids[:n]))
+    return int(diff[0]) if diff.size else n
 
 
 def _log_softmax_at(logits: np.ndarray, ids: list[int]) -> list[float]:

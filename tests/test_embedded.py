@@ -1,0 +1,91 @@
+"""The real embedded model (SmolLM2-135M-Instruct via llama.cpp): ids, masks, logprobs, grammar."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from blackjack_rl.episode import opening_messages, play_episode
+from blackjack_rl.game import Observation, Rules, Table
+from blackjack_rl.groups import Player, play_group
+from blackjack_rl.protocol import parse_action
+from blackjack_rl.tokens import MASKED, MASKED_LOGPROB, trained_spans
+
+pytestmark = pytest.mark.embedded
+
+
+def _prompt(policy, obs=Observation(14, 10, False)):
+    return policy.chat.prompt_ids(opening_messages(obs))
+
+
+def test_prompt_is_the_chatml_render(embedded):
+    ids = _prompt(embedded)
+    text = embedded.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\nYou are an AI agent playing Blackjack")
+    assert text.endswith("Your current hand sum is 14. The dealer is showing a 10. You have a usable ace: no.<|im_end|>\n<|im_start|>assistant\n")
+    assert ids[0] == 1  # <|im_start|>, and no BOS added: the GGUF says add_bos_token=False
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(embedded):
+    ids = _prompt(embedded)
+    a, b = embedded.generate(ids, seed=42), embedded.generate(ids, seed=42)
+    assert a.completion_ids == b.completion_ids and a.text == b.text
+    others = {tuple(embedded.generate(ids, seed=s).completion_ids) for s in range(4)}
+    assert len(others) > 1
+
+
+def test_logprobs_are_the_model_log_softmax_of_the_sampled_ids(embedded):
+    """Replay the sequence in a fresh context, one token at a time, and recompute each logprob."""
+    ids = _prompt(embedded)
+    llama = embedded.llama
+    llama.reset()  # a cold cache: the replay below then runs the very same kernels
+    reply = embedded.generate(ids, seed=7)
+    assert len(reply.logprobs) == len(reply.completion_ids) > 0
+    assert all(lp <= 0.0 for lp in reply.logprobs)
+    llama.reset()
+    llama.eval(ids[:-1])
+    for tok in [ids[-1]] + reply.completion_ids[:-1]:
+        llama.eval([tok])
+    logits = np.asarray(llama.scores[len(ids) - 1 : len(ids) - 1 + len(reply.completion_ids)], dtype=np.float64)
+    logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    expected = logits[np.arange(len(reply.completion_ids)), reply.completion_ids] - logz
+    np.testing.assert_allclose(reply.logprobs, expected, atol=1e-5)
+
+
+def test_an_episode_trains_on_exactly_the_sampled_ids(embedded, solution):
+    for seed in range(3):
+        ep = asyncio.run(play_episode(Table(Rules()), embedded, embedded.chat, solution, seed))
+        assert ep.status in ("finished", "invalid", "truncated")
+        t = ep.trajectory
+        assert len(t.tokens) == len(t.masks) == len(t.logprobs)
+        spans = trained_spans(t.masks)
+        answers = [m["content"] for m in ep.messages if m["role"] == "assistant"]
+        assert len(spans) == len(answers) == len(ep.decisions)
+        for (a, b), answer in zip(spans, answers):
+            sampled = t.tokens[a:b]
+            assert t.masks[a:b] == sampled
+            assert all(lp <= 0.0 for lp in t.logprobs[a:b])
+            decoded = embedded.tokenizer.decode(sampled)
+            # the model's own end-of-turn token is trained when it sampled one
+            assert decoded in (answer, answer + "<|im_end|>")
+        assert all(lp == MASKED_LOGPROB for lp, m in zip(t.logprobs, t.masks) if m == MASKED)
+
+
+def test_constrained_decoding_always_gives_a_valid_call(embedded_constrained):
+    ids = _prompt(embedded_constrained, Observation(12, 3, False))
+    for seed in range(8):
+        reply = embedded_constrained.generate(ids, seed=seed)
+        parsed = parse_action(reply.text)
+        assert parsed.valid, reply.text
+        assert reply.finish_reason == "stop"
+
+
+def test_a_small_group_on_the_embedded_model(embedded, solution):
+    player = Player(embedded, embedded.chat, solution)
+    result = asyncio.run(play_group(player, seed=2024, group_size=3))
+    g = result.group
+    assert g is not None
+    assert len(g["tokens"]) == 3 and g["generation_params"]["policy"] == "embedded"
+    prompt_len = min(m.index(next(x for x in m if x != MASKED)) for m in g["masks"])
+    assert len({tuple(t[:prompt_len]) for t in g["tokens"]}) == 1
+    assert all(len(t) <= 1024 for t in g["tokens"])
