@@ -2,4 +2,5 @@
 
 from .cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # guarded: ingest worker processes import this module too
+    raise SystemExit(main())

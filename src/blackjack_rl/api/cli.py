@@ -15,7 +15,8 @@ environment variables (flags win over them):
   BLACKJACK_RL_API_TOKEN     bearer token (prefer this to --token: flags show up in `ps`)
   BLACKJACK_RL_API_HOST, BLACKJACK_RL_API_PORT, BLACKJACK_RL_API_DB_PATH,
   BLACKJACK_RL_API_MAX_QUEUED_SEQUENCES, BLACKJACK_RL_API_MAX_BODY_BYTES,
-  BLACKJACK_RL_API_CORS_ORIGINS (a JSON list), BLACKJACK_RL_API_SYNCHRONOUS
+  BLACKJACK_RL_API_CORS_ORIGINS (a JSON list), BLACKJACK_RL_API_SYNCHRONOUS,
+  BLACKJACK_RL_API_INGEST_WORKERS
 
 Atropos trainers and environments connect unchanged (default port 8000). The queue
 survives restarts: one --db file per training run (or reset it with GET /reset_data,
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="allow browser requests from ORIGIN (repeatable; default: CORS off)")
     parser.add_argument("--sync", choices=["NORMAL", "FULL"], dest="synchronous",
                         help="SQLite durability: both survive a crashed process, FULL also a power cut (default FULL)")
+    parser.add_argument("--ingest-workers", type=int, metavar="N",
+                        help="processes that parse and check posts (default 0: the server process; "
+                        "a few help on machines with many cores)")
     parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument("--access-log", action="store_true", default=None, help="log every request")
     return parser
@@ -62,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> ApiConfig:
         "max_body_bytes": int(args.max_body_mb * MIB) if args.max_body_mb is not None else None,
         "cors_origins": args.cors_origins,
         "synchronous": args.synchronous,
+        "ingest_workers": args.ingest_workers,
         "log_level": args.log_level,
         "access_log": args.access_log,
     }

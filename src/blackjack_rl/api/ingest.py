@@ -87,14 +87,15 @@ def prepare_groups(
                 exc.detail = f"group {index}: {exc.detail}"
             raise
 
-    own_text = _single_object_text(text, as_list) if len(groups) == 1 else None
-    if own_text is not None:
+    if len(groups) == 1 and not _unvalidated_non_finite(groups[0]):
         group = groups[0]
         suffix = _missing_fields_suffix(group)
         if coding == "gzip" and members == 1:
             fmt = FMT_GZIP_LIST1 if as_list else FMT_GZIP_OBJECT
             return [PreparedGroup(group.env_id, len(group.tokens), fmt, raw, suffix)]
-        return [PreparedGroup(group.env_id, len(group.tokens), FMT_ZLIB, zlib.compress(own_text, 1), suffix)]
+        own_text = _object_text(text, as_list)
+        if own_text is not None:
+            return [PreparedGroup(group.env_id, len(group.tokens), FMT_ZLIB, zlib.compress(own_text, 1), suffix)]
     return [
         PreparedGroup(g.env_id, len(g.tokens), FMT_ZLIB, zlib.compress(pydantic_core.to_json(g), 1))
         for g in groups
@@ -222,8 +223,10 @@ def _same_count(name: str, values: Sequence[Any], n: int) -> None:
 
 def _check_mask(i: int, seq: list[int], mask: list[int]) -> None:
     # Fast path for the usual shape: masked prompt, then the trained tokens themselves.
+    # Token ids are >= 0, so if the tail after `masked` positions equals the tokens, all
+    # the -100s are in the head, which is then entirely -100.
     masked = mask.count(_MASKED)
-    if mask[masked:] == seq[masked:] and mask[:masked] == [_MASKED] * masked:
+    if mask[masked:] == seq[masked:]:
         return
     for j, (m, t) in enumerate(zip(mask, seq)):
         if m != _MASKED and m != t:
@@ -295,14 +298,28 @@ def _check_size(group: ScoredGroup, n: int, ctx: IngestContext) -> None:
 # --- storage helpers ---------------------------------------------------------------------
 
 
-def _single_object_text(text: bytes, as_list: bool) -> bytes | None:
-    """The JSON text of the only group of a body, if it can be stored as sent.
+def _unvalidated_non_finite(group: ScoredGroup) -> bool:
+    """Whether a field that validation did not check for finiteness holds NaN or Infinity.
 
-    Not when the text holds NaN or Infinity (only possible in unvalidated extra keys at this
-    point): those are re-encoded so trainers get standard JSON (null).
+    Such a group is re-encoded rather than stored as sent, so trainers get standard JSON
+    (null) instead of NaN, which strict JSON parsers refuse.
     """
-    if b"NaN" in text or b"Infinity" in text:
-        return None
+    loose = (group.messages, group.generation_params, group.overrides, group.group_overrides, group.images)
+    return any(_non_finite(v) for v in loose) or _non_finite(group.__pydantic_extra__)
+
+
+def _non_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_non_finite(v) for v in value)
+    return False
+
+
+def _object_text(text: bytes, as_list: bool) -> bytes | None:
+    """The JSON text of the only group of a body, to store it as sent."""
     obj = text.strip()
     if as_list:
         obj = obj[1:-1].strip()

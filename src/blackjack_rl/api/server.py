@@ -22,7 +22,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .body import content_coding, gunzip_limited, read_limited
 from .errors import ApiError
-from .ingest import decode_payload, prepare_groups
+from .ingest import decode_payload
+from .pool import IngestPool
 from .models import EnvIdentifier, Registration, RegisterEnv
 from .settings import ApiConfig
 from .store import BatchRows, Store, StoreRunner
@@ -82,9 +83,13 @@ def create_app(config: ApiConfig) -> FastAPI:
         runner = StoreRunner(store)
         runner.start()
         app.state.runner = runner
+        pool = IngestPool(config.ingest_workers)
+        app.state.pool = pool
         try:
+            await pool.start()
             yield
         finally:
+            await anyio.to_thread.run_sync(pool.shutdown)
             await anyio.to_thread.run_sync(runner.stop)
 
     app = FastAPI(
@@ -206,7 +211,8 @@ def create_app(config: ApiConfig) -> FastAPI:
                 {"Retry-After": str(config.retry_after_s)},
             )
         ctx = runner.store.context
-        groups = prepare_groups(raw, coding, ctx, as_list=as_list, max_bytes=config.max_body_bytes)
+        pool: IngestPool = request.app.state.pool
+        groups = await pool.prepare(raw, coding, ctx, as_list=as_list, max_bytes=config.max_body_bytes)
         return await runner.call(  # type: ignore[no-any-return]
             lambda s: s.enqueue(groups, as_list=as_list, idempotency_key=key, generation=ctx.generation)
         )

@@ -63,6 +63,13 @@ class ApiConfig(BaseSettings):
         gt=0,
         description="How long an Idempotency-Key is remembered, so a retried post is not queued twice.",
     )
+    ingest_workers: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="Processes that parse and check posted groups. 0: the server process does it "
+        "(best on 1-2 cores); on bigger machines a few workers raise ingest throughput.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = Field(False, description="Log every request (noisy at thousands of posts a second).")
 
