@@ -12,6 +12,10 @@ from typing import Any
 from pydantic import ValidationError
 from rich.console import Console
 
+from .api.client import ApiRejected, ApiUnavailable
+
+ApiError = (ApiRejected, ApiUnavailable)
+
 # flag -> (section, field); flags left unset keep YAML / environment / default values
 _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "seed": (None, "seed"),
@@ -40,6 +44,18 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "group_size": ("groups", "group_size"),
     "drop_equal_scores": ("groups", "drop_equal_scores"),
     "episodes": ("evaluate", "episodes"),
+    "api_url": ("serve", "api_url"),
+    "api_token": ("serve", "api_token"),
+    "env_name": ("serve", "env_name"),
+    "worker_id": ("serve", "worker_id"),
+    "weight": ("serve", "weight"),
+    "min_batch_allocation": ("serve", "min_batch_allocation"),
+    "max_batches_offpolicy": ("serve", "max_batches_offpolicy"),
+    "steps_per_eval": ("serve", "steps_per_eval"),
+    "eval_episodes": ("serve", "eval_episodes"),
+    "max_groups": ("serve", "max_groups"),
+    "register_timeout": ("serve", "register_timeout"),
+    "drain_timeout": ("serve", "drain_timeout"),
 }
 
 
@@ -107,6 +123,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_play(p)
     p.add_argument("--episodes", type=int, help="evaluation deals (default 1000)")
     p.add_argument("--no-samples", action="store_true", help="do not write samples.jsonl")
+
+    p = sub.add_parser("serve", help="feed the trajectory API as an environment worker",
+                       description="Register with the trajectory API, then play groups and send them, keeping "
+                                   "max_batches_offpolicy x batch_size sequences ahead of the trainer. Groups the "
+                                   "API cannot take are parked in OUT/outbox.sqlite and sent when it returns. "
+                                   "Metrics go to OUT/serve_metrics.jsonl. SIGTERM drains, flushes and disconnects.")
+    _add_play(p)
+    p.add_argument("--group-size", type=int, help="episodes per group (default 16)")
+    p.add_argument("--drop-equal-scores", action="store_true", default=None,
+                   help="skip groups whose scores are all equal (no GRPO signal)")
+    g = p.add_argument_group("trajectory API")
+    g.add_argument("--api-url", help="default http://127.0.0.1:8000")
+    g.add_argument("--api-token", help="bearer token (or BLACKJACK_RL_SERVE__API_TOKEN)")
+    g.add_argument("--env-name", help="name to register under (default blackjack)")
+    g.add_argument("--worker-id", help="mixed into the deal seeds; give each worker its own (default host-pid)")
+    g.add_argument("--weight", type=float, help="share of each batch (default 1.0)")
+    g.add_argument("--min-batch-allocation", type=float, help="minimum share of each batch (0-1)")
+    g.add_argument("--max-batches-offpolicy", type=int, help="batches kept ahead of the trainer (default 3)")
+    g.add_argument("--steps-per-eval", type=int, help="evaluate every N trainer steps (default 100, 0 = never)")
+    g.add_argument("--eval-episodes", type=int, help="episodes per evaluation (default 200)")
+    g.add_argument("--max-groups", type=int, help="stop after sending N groups (default: run until SIGTERM)")
+    g.add_argument("--register-timeout", type=float, help="seconds to wait for the trainer (default: forever)")
+    g.add_argument("--drain-timeout", type=float, help="on SIGTERM, seconds to finish groups in flight (default 60)")
+    g.add_argument("--wandb-project", help="also log metrics to Weights & Biases (pip install 'blackjack-rl[wandb]')")
 
     sub.add_parser("api", help="run the trajectory API (Atropos-compatible)", add_help=False,
                    description="Run the trajectory API; see `blackjack-rl api --help`.")
@@ -185,6 +225,34 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     return 0 if metrics["episodes_failed"] == 0 else 3
 
 
+def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    from .runner import build_player
+    from .serve import serve
+
+    settings = settings_from_args(args)
+    wandb_run = None
+    if args.wandb_project:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ValueError("--wandb-project needs wandb: pip install 'blackjack-rl[wandb]'") from exc
+        wandb_run = wandb.init(project=args.wandb_project, config=settings.model_dump(mode="json"))
+    player = build_player(settings)
+
+    async def main():
+        try:
+            return await serve(settings, player, wandb_run)
+        finally:
+            await player.policy.aclose()
+
+    logging.getLogger("blackjack_rl").setLevel(logging.INFO)
+    stats = asyncio.run(main())
+    console.print(f"Sent {stats.groups_sent} groups ({stats.groups_parked} parked in {settings.out}/outbox.sqlite, "
+                  f"{stats.groups_rejected} refused, dropped {stats.groups_dropped or 0}); "
+                  f"{stats.episodes} episodes, {stats.episodes_failed} failed. Log: {settings.out}/serve_metrics.jsonl")
+    return 0 if stats.groups_rejected == 0 else 3
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["api"]:
@@ -195,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     console = Console(stderr=False)
-    handlers = {"solve": _cmd_solve, "process": _cmd_process, "evaluate": _cmd_evaluate}
+    handlers = {"solve": _cmd_solve, "process": _cmd_process, "evaluate": _cmd_evaluate, "serve": _cmd_serve}
     try:
         return handlers[args.command](args, console)
-    except (ValidationError, ValueError, FileNotFoundError) as exc:
+    except (ValidationError, ValueError, FileNotFoundError, *ApiError) as exc:
         Console(stderr=True).print(f"[red]error:[/red] {exc}")
         return 2
     except KeyboardInterrupt:

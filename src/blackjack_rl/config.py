@@ -83,6 +83,23 @@ class ProcessConfig(_Section):
     groups: int = Field(8, ge=1)
 
 
+class ServeConfig(_Section):
+    api_url: str = Field("http://127.0.0.1:8000", description="the trajectory API")
+    api_token: str | None = Field(None, description="bearer token of the API (or BLACKJACK_RL_SERVE__API_TOKEN)")
+    env_name: str = "blackjack"
+    worker_id: str | None = Field(None, description="mixed into the deal seeds so workers play different deals "
+                                                     "(default: host and process id)")
+    weight: float = Field(1.0, description="this environment's share of each batch (Atropos env weight)")
+    min_batch_allocation: float | None = Field(None, ge=0.0, le=1.0)
+    max_batches_offpolicy: int = Field(3, ge=1, description="batches of groups kept queued or in flight ahead of the trainer")
+    steps_per_eval: int = Field(100, ge=0, description="evaluate every N trainer steps (0: never)")
+    eval_episodes: int = Field(200, ge=1)
+    max_groups: int | None = Field(None, ge=1, description="stop after sending this many groups")
+    register_timeout: float | None = Field(None, gt=0, description="give up waiting for the trainer after N s")
+    drain_timeout: float = Field(60.0, ge=0, description="on SIGTERM, seconds to finish groups in flight")
+    poll_interval: float = Field(1.0, gt=0)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="BLACKJACK_RL_", env_nested_delimiter="__", extra="forbid", nested_model_default_partial_update=True
@@ -96,6 +113,7 @@ class Settings(BaseSettings):
     groups: GroupConfig = GroupConfig()
     evaluate: EvalConfig = EvalConfig()
     process: ProcessConfig = ProcessConfig()
+    serve: ServeConfig = ServeConfig()
 
 
 def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
