@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .game import Observation, Table
-from .policies.base import InferenceError, Policy, Turn
+from .policies.base import InferenceError, Policy, Reply, Turn
 from .protocol import ACTION_NAMES, ParsedAction, observation_text, parse_action, system_prompt
 from .solver import Solution
 from .tokens import ChatFormat, Trajectory
@@ -120,7 +120,10 @@ async def play_episode(
     seed: int,
     index: int = 0,
     settings: EpisodeSettings = EpisodeSettings(),
+    first_reply: Reply | None = None,
 ) -> Episode:
+    """Play one deal. `first_reply`, when given, is the answer to the opening prompt,
+    already sampled (a group can sample all its first answers in one request)."""
     ep = Episode(seed=seed, index=index)
     obs = table.reset(seed)
     ep.messages = opening_messages(obs, settings.thinking)
@@ -131,9 +134,12 @@ async def play_episode(
             return _cut(ep, table, "context_limit", settings)
         natural = table.player_is_natural
         try:
-            reply = await policy.respond(
-                Turn(ep.messages, ep.trajectory.tokens, obs, natural, sampling_seed(seed, index, turn))
-            )
+            if turn == 0 and first_reply is not None:
+                reply = first_reply
+            else:
+                reply = await policy.respond(
+                    Turn(ep.messages, ep.trajectory.tokens, obs, natural, sampling_seed(seed, index, turn))
+                )
         except InferenceError as exc:
             return _fail(ep, table, str(exc))
         except Exception as exc:  # a broken policy fails the episode, not the whole run

@@ -11,9 +11,9 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from .episode import Episode, EpisodeSettings, play_episode
+from .episode import Episode, EpisodeSettings, opening_messages, play_episode, sampling_seed
 from .game import Rules, Table
-from .policies.base import Policy
+from .policies.base import Policy, Reply, Turn
 from .solver import Solution
 from .tokens import ChatFormat
 
@@ -62,12 +62,37 @@ class Player:
     def __post_init__(self) -> None:
         self.tables = TablePool(self.solution.rules)
 
-    async def episode(self, seed: int, index: int = 0) -> Episode:
+    async def episode(self, seed: int, index: int = 0, first_reply: Reply | None = None) -> Episode:
         table = self.tables.acquire()
         try:
-            return await play_episode(table, self.policy, self.chat, self.solution, seed, index, self.settings)
+            return await play_episode(
+                table, self.policy, self.chat, self.solution, seed, index, self.settings, first_reply
+            )
         finally:
             self.tables.release(table)
+
+    async def first_replies(self, seed: int, n: int) -> list[Reply] | list[None]:
+        """All first answers of a group in one request, when the policy can (`respond_many`).
+
+        Every episode of a group opens on the same prompt, so a server that honours
+        `n` prefills it once. A failure here is not fatal: episodes then ask one by one.
+        """
+        respond_many = getattr(self.policy, "respond_many", None)
+        if respond_many is None or n < 2:
+            return [None] * n
+        table = self.tables.acquire()
+        try:
+            obs = table.reset(seed)
+            natural = table.player_is_natural
+        finally:
+            self.tables.release(table)
+        messages = opening_messages(obs, self.settings.thinking)
+        turn = Turn(messages, self.chat.prompt_ids(messages), obs, natural, sampling_seed(seed, 0, 0))
+        try:
+            replies = await respond_many(turn, n)
+        except Exception:  # noqa: BLE001 - fall back to per-episode requests, which report their own failures
+            return [None] * n
+        return list(replies) if len(replies) == n else [None] * n
 
 
 @dataclass
@@ -86,11 +111,13 @@ async def play_group(
     drop_equal_scores: bool = False,
     limiter: asyncio.Semaphore | None = None,
 ) -> GroupResult:
+    firsts = await player.first_replies(seed, group_size)
+
     async def one(i: int) -> Episode:
         if limiter is None:
-            return await player.episode(seed, i)
+            return await player.episode(seed, i, firsts[i])
         async with limiter:  # taken once per episode: no nested acquisition, no deadlock
-            return await player.episode(seed, i)
+            return await player.episode(seed, i, firsts[i])
 
     episodes = list(await asyncio.gather(*(one(i) for i in range(group_size))))
     if any(ep.failed for ep in episodes):

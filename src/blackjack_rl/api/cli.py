@@ -89,6 +89,7 @@ def serve(config: ApiConfig) -> int:
     import uvicorn
 
     from .server import create_app
+    from .store import take_lock
 
     if config.host not in ("127.0.0.1", "localhost", "::1") and config.token is None:
         print(
@@ -97,14 +98,17 @@ def serve(config: ApiConfig) -> int:
             file=sys.stderr,
         )
     try:
-        uvicorn.run(
-            create_app(config),
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            access_log=config.access_log,
-        )
-    except RuntimeError as exc:  # e.g. the database is in use by another API process
+        held = take_lock(config.db_path)  # fail with one clear line, not a startup traceback
+        if held is not None:
+            held.close()
+    except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=config.access_log,
+    )
     return 0

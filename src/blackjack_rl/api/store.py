@@ -137,6 +137,22 @@ class Mirror:
         return sum(size * n for (_, size), n in self.counts.items())
 
 
+def take_lock(path: Path) -> Any:
+    """Hold `<db>.lock` exclusively: two API processes on one database would disagree on its state."""
+    if fcntl is None:  # pragma: no cover
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(f"{path}.lock", "a+")  # noqa: SIM115 - held for the store's life
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise RuntimeError(
+            f"another trajectory API process is using {path}; stop it, or give this one its own --db"
+        ) from None
+    return handle
+
+
 class Store:
     """SQLite-backed state. Not thread-safe: use it from one thread (see StoreRunner)."""
 
@@ -175,18 +191,7 @@ class Store:
     # --- lifecycle ---------------------------------------------------------------------
 
     def _take_lock(self) -> Any:
-        if fcntl is None:  # pragma: no cover
-            return None
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(f"{self.path}.lock", "a+")  # noqa: SIM115 - held for the store's life
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            raise RuntimeError(
-                f"another trajectory API process is using {self.path}; stop it, or give this one its own --db"
-            ) from None
-        return handle
+        return take_lock(self.path)
 
     def _check_schema(self) -> None:
         row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()

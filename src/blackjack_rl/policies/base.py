@@ -45,6 +45,9 @@ class Reply:
 
 @runtime_checkable
 class Policy(Protocol):
+    """A player. Optionally also `async respond_many(turn, n) -> list[Reply]`: n answers to
+    one prompt in one request, which groups use for their shared first turn."""
+
     name: str
 
     def generation_params(self) -> dict[str, Any]:
