@@ -347,3 +347,28 @@ def test_env_client_keeps_refused_posts_in_the_outbox(tmp_path: Path) -> None:
             assert (await env.submit([make_group(uid="b")])).sent_groups == 1
 
     asyncio.run(_with_app(tmp_path, {}, body))
+
+
+def test_backpressure_counts_the_sequences_a_post_would_add(tmp_path: Path) -> None:
+    with TestClient(create_app(ApiConfig(db_path=tmp_path / "a.sqlite", max_queued_sequences=16))) as c:
+        start(c)
+        register_env(c)
+        assert c.post("/scored_data_list", json=[make_group(uid=str(i)) for i in range(3)]).status_code == 200
+        r = c.post("/scored_data_list", json=[make_group(uid="x"), make_group(uid="y")])  # 12 + 8 > 16
+        assert r.status_code == 503 and "12 of 16 sequences" in r.json()["detail"]
+        assert r.headers["Retry-After"] == "2"
+        assert c.post("/scored_data", json=make_group(uid="fits")).status_code == 200
+
+
+def test_ingest_worker_processes_check_and_refuse_like_the_server(tmp_path: Path) -> None:
+    with TestClient(create_app(ApiConfig(db_path=tmp_path / "a.sqlite", ingest_workers=1))) as c:
+        start(c)
+        register_env(c)
+        body = gzip.compress(json.dumps([make_group(uid="w0")]).encode())
+        ok = c.post("/scored_data_list", content=body,
+                    headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        assert ok.status_code == 200
+        assert c.post("/scored_data", json=make_group(uid="w1")).status_code == 200
+        refused = c.post("/scored_data", json={**make_group(), "scores": [1.0]})
+        assert refused.status_code == 422 and "scores has 1 entries" in refused.json()["detail"]
+        assert uids(c.get("/batch").json()["batch"]) == ["w0", "w1"]

@@ -1,0 +1,55 @@
+"""`blackjack-rl api` command line: help, flags over environment variables, clear refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest_api import SRC
+
+from blackjack_rl.api.cli import build_parser, config_from_args, main
+
+
+def test_help_names_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--db", "--token", "--max-queued-sequences", "--max-body-mb",
+                 "--cors-origin", "--sync", "--ingest-workers", "BLACKJACK_RL_API_TOKEN", "127.0.0.1"):
+        assert flag in out
+
+
+def test_flags_win_over_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BLACKJACK_RL_API_TOKEN", "from-env")
+    monkeypatch.setenv("BLACKJACK_RL_API_PORT", "9001")
+    config = config_from_args(build_parser().parse_args(["--port", "9002", "--max-body-mb", "2",
+                                                         "--cors-origin", "https://a", "--cors-origin", "https://b"]))
+    assert config.port == 9002 and config.token_value() == "from-env"
+    assert config.max_body_bytes == 2 * 1024 * 1024 and config.cors_origins == ["https://a", "https://b"]
+    assert config.host == "127.0.0.1"
+    assert config_from_args(build_parser().parse_args(["--token", "flag"])).token_value() == "flag"
+
+
+def test_invalid_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--max-queued-sequences", "0"]) == 2
+    assert "max_queued_sequences" in capsys.readouterr().err
+
+
+def test_a_database_in_use_is_refused_with_one_line(tmp_path: Path) -> None:
+    from blackjack_rl.api.store import take_lock
+
+    db = tmp_path / "busy.sqlite"
+    held = take_lock(db)
+    try:
+        run = subprocess.run([sys.executable, "-m", "blackjack_rl.api", "--db", str(db), "--port", "0"],
+                             capture_output=True, text=True, timeout=60,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("BLACKJACK_RL_API_")}
+                             | {"PYTHONPATH": str(SRC)})
+    finally:
+        held.close()
+    assert run.returncode == 1
+    assert "another trajectory API process is using" in run.stderr and "Traceback" not in run.stderr
