@@ -44,6 +44,12 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "group_size": ("groups", "group_size"),
     "drop_equal_scores": ("groups", "drop_equal_scores"),
     "episodes": ("evaluate", "episodes"),
+    "scoring": ("episode", "scoring"),
+    "format_bonus": ("episode", "format_bonus"),
+    "thinking": ("episode", "thinking"),
+    "think_budget": ("episode", "think_budget"),
+    "group_by": ("groups", "group_by"),
+    "continue_with": ("groups", "continue_with"),
     "api_url": ("serve", "api_url"),
     "api_token": ("serve", "api_token"),
     "env_name": ("serve", "env_name"),
@@ -93,6 +99,13 @@ def _add_play(p: argparse.ArgumentParser) -> None:
     g.add_argument("--invalid-score", type=float, help="score of an invalid answer (default -1.0)")
     g.add_argument("--max-token-length", type=int, help="token budget per episode (default 1024)")
     g.add_argument("--concurrency", type=int, help="episodes played at once (default 64)")
+    g.add_argument("--scoring", choices=["outcome", "expected"],
+                   help="outcome: the game reward (default); expected: V*(s0) minus each decision's regret "
+                        "(same mean, far lower variance; both are always recorded)")
+    g.add_argument("--format-bonus", type=float, help="bonus for well-formed answers (default 0)")
+    g.add_argument("--thinking", action="store_true", default=None,
+                   help="the model reasons in <think>...</think> before its call; older thoughts are cut to fit")
+    g.add_argument("--think-budget", type=int, help="extra new tokens per turn for reasoning (default 192)")
     _add_rules(p)
 
 
@@ -117,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, help="episodes per group (default 16)")
     p.add_argument("--drop-equal-scores", action="store_true", default=None,
                    help="skip groups whose scores are all equal (no GRPO signal)")
+    p.add_argument("--group-by", choices=["episode", "step"],
+                   help="episode: whole episodes on one deal (default); step: one group per decision, "
+                        "each answer scored by Q*(s, a); each sequence is the shared prompt plus one answer")
+    p.add_argument("--continue-with", choices=["sampled", "best"],
+                   help="step groups: which answer the canonical episode continues with (default sampled)")
 
     p = sub.add_parser("evaluate", help="play the fixed evaluation deals and report metrics",
                        description="Play the fixed evaluation seeds and write OUT/metrics.json and OUT/samples.jsonl.")
@@ -133,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, help="episodes per group (default 16)")
     p.add_argument("--drop-equal-scores", action="store_true", default=None,
                    help="skip groups whose scores are all equal (no GRPO signal)")
+    p.add_argument("--group-by", choices=["episode", "step"],
+                   help="episode: whole episodes on one deal (default); step: one group per decision, "
+                        "each answer scored by Q*(s, a); each sequence is the shared prompt plus one answer")
+    p.add_argument("--continue-with", choices=["sampled", "best"],
+                   help="step groups: which answer the canonical episode continues with (default sampled)")
     g = p.add_argument_group("trajectory API")
     g.add_argument("--api-url", help="default http://127.0.0.1:8000")
     g.add_argument("--api-token", help="bearer token (or BLACKJACK_RL_SERVE__API_TOKEN)")

@@ -65,12 +65,24 @@ class PolicyConfig(_Section):
 class EpisodeConfig(_Section):
     invalid_score: float = Field(-1.0, description="score of an episode that ends on an invalid answer")
     max_token_length: int = Field(1024, ge=128, description="token budget of a whole episode (prompt + all turns)")
+    scoring: Literal["outcome", "expected"] = Field(
+        "outcome", description="outcome: the game reward; expected: V*(s0) minus the regret of each decision"
+    )
+    format_bonus: float = Field(0.0, description="added for well-formed answers (share of valid answers)")
+    thinking: bool = Field(False, description="the model reasons in <think>...</think> before its call")
+    think_budget: int = Field(192, ge=0, description="extra new tokens per turn for reasoning in thinking mode")
 
 
 class GroupConfig(_Section):
     group_size: int = Field(16, ge=1, le=1024, description="episodes per group, all on one deal")
     drop_equal_scores: bool = Field(False, description="drop groups whose scores are all equal (no GRPO signal)")
     concurrency: int = Field(64, ge=1, description="episodes played at once")
+    group_by: Literal["episode", "step"] = Field(
+        "episode", description="episode: whole episodes on one deal; step: one group per decision, scored by Q*"
+    )
+    continue_with: Literal["sampled", "best"] = Field(
+        "sampled", description="step groups: the answer the canonical episode continues with"
+    )
 
 
 class EvalConfig(_Section):

@@ -17,13 +17,16 @@ import numpy as np
 
 from .game import Observation, Table
 from .policies.base import InferenceError, Policy, Reply, Turn
-from .protocol import ACTION_NAMES, ParsedAction, observation_text, parse_action, system_prompt
+from .protocol import ACTION_NAMES, ParsedAction, observation_text, parse_action, split_thinking, system_prompt
 from .solver import Solution
 from .tokens import ChatFormat, Trajectory
 
 log = logging.getLogger(__name__)
 
 Status = Literal["finished", "invalid", "truncated", "failed"]
+
+
+Scoring = Literal["outcome", "expected"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,8 @@ class EpisodeSettings:
     max_token_length: int = 1024
     max_new_tokens: int = 64
     thinking: bool = False
+    scoring: Scoring = "outcome"
+    format_bonus: float = 0.0  # added in proportion to the share of well-formed answers
 
 
 @dataclass(slots=True)
@@ -68,7 +73,10 @@ class Episode:
     status: Status = "failed"
     outcome: Literal["win", "draw", "loss"] | None = None
     reward: float | None = None  # the game's reward, when the game finished
-    score: float | None = None  # what training sees; None when failed
+    score: float | None = None  # what training sees (the chosen scoring mode); None when failed
+    scores: dict[str, float] = field(default_factory=dict)  # every scoring mode, always reported
+    start_value: float | None = None  # V*(first state): what optimal play expects from this deal
+    thoughts_truncated: int = 0  # model turns whose earlier thoughts were cut to fit the budget
     invalid_reason: str | None = None
     error: str | None = None
     decisions: list[Decision] = field(default_factory=list)
@@ -90,6 +98,8 @@ class Episode:
             "outcome": self.outcome,
             "reward": self.reward,
             "score": self.score,
+            "scores": self.scores,
+            "start_value": self.start_value,
             "invalid_reason": self.invalid_reason,
             "error": self.error,
             "actions": [ACTION_NAMES.get(d.action) if d.action is not None else None for d in self.decisions],
@@ -126,10 +136,13 @@ async def play_episode(
     already sampled (a group can sample all its first answers in one request)."""
     ep = Episode(seed=seed, index=index)
     obs = table.reset(seed)
+    ep.start_value = solution.v(obs, table.player_is_natural)
     ep.messages = opening_messages(obs, settings.thinking)
     ep.trajectory.add_context(chat.prompt_ids(ep.messages))
 
     for turn in range(settings.max_turns):
+        if len(ep.trajectory) + settings.max_new_tokens > settings.max_token_length and settings.thinking:
+            _drop_old_thoughts(ep, chat)
         if len(ep.trajectory) + settings.max_new_tokens > settings.max_token_length:
             return _cut(ep, table, "context_limit", settings)
         natural = table.player_is_natural
@@ -158,17 +171,17 @@ async def play_episode(
         q_best = solution.best_action(obs, natural)
         if not parsed.valid:
             ep.decisions.append(Decision(*obs, natural, None, q_best, None, parsed.error.value, reply.text))
-            ep.status, ep.invalid_reason, ep.score = "invalid", parsed.error.value, settings.invalid_score
-            return _finish_hands(ep, table)
+            ep.status, ep.invalid_reason = "invalid", parsed.error.value
+            return _finish(ep, table, settings)
 
         ep.decisions.append(
             Decision(*obs, natural, parsed.action, q_best, solution.regret(obs, parsed.action, natural), None, reply.text)
         )
         step = table.step(parsed.action)
         if step.terminated:
-            ep.status, ep.reward, ep.score = "finished", step.reward, step.reward
+            ep.status, ep.reward = "finished", step.reward
             ep.outcome = "win" if step.reward > 0 else "loss" if step.reward < 0 else "draw"
-            return _finish_hands(ep, table)
+            return _finish(ep, table, settings)
         obs = step.observation
         text = observation_text(*obs)
         ep.messages.append({"role": "user", "content": text})
@@ -177,9 +190,32 @@ async def play_episode(
     return _cut(ep, table, "turn_limit", settings)
 
 
-def _cut(ep: Episode, table: Table, reason: str, settings: EpisodeSettings) -> Episode:
-    ep.status, ep.invalid_reason, ep.score = "truncated", reason, settings.invalid_score
+def episode_scores(ep: Episode, settings: EpisodeSettings) -> dict[str, float]:
+    """Both scoring modes for a played episode.
+
+    `outcome` is the game's reward, as the original. `expected` is what the decisions
+    were worth: V*(s0) minus the regret of every decision, i.e. V*(s0) plus
+    sum(Q*(s, a) - V*(s)). Both are expectations-consistent (for any policy their means
+    over deals are equal), but `expected` does not pay for the luck of the cards, so its
+    variance is far lower; it never looks at the seeded deck.
+    """
+    answers = len(ep.decisions)
+    bonus = settings.format_bonus * (sum(d.action is not None for d in ep.decisions) / answers) if answers else 0.0
+    if ep.status != "finished":
+        return {"outcome": settings.invalid_score + bonus, "expected": settings.invalid_score + bonus}
+    regret = sum(d.regret for d in ep.decisions if d.regret is not None)
+    return {"outcome": float(ep.reward) + bonus, "expected": float(ep.start_value) - regret + bonus}
+
+
+def _finish(ep: Episode, table: Table, settings: EpisodeSettings) -> Episode:
+    ep.scores = episode_scores(ep, settings)
+    ep.score = ep.scores[settings.scoring]
     return _finish_hands(ep, table)
+
+
+def _cut(ep: Episode, table: Table, reason: str, settings: EpisodeSettings) -> Episode:
+    ep.status, ep.invalid_reason = "truncated", reason
+    return _finish(ep, table, settings)
 
 
 def _fail(ep: Episode, table: Table, error: str) -> Episode:
@@ -190,3 +226,29 @@ def _fail(ep: Episode, table: Table, error: str) -> Episode:
 def _finish_hands(ep: Episode, table: Table) -> Episode:
     ep.player_hand, ep.dealer_hand = table.player_hand, table.dealer_hand
     return ep
+
+
+def _drop_old_thoughts(ep: Episode, chat: ChatFormat) -> None:
+    ep.messages, ep.trajectory = without_thoughts(ep.messages, chat)
+    ep.thoughts_truncated += 1
+
+
+def without_thoughts(messages: list[dict[str, str]], chat: ChatFormat) -> tuple[list[dict[str, str]], Trajectory]:
+    """The history with earlier answers cut to their decisions (thoughts removed), as context.
+
+    From here on the model sees a different history than the one its earlier answers
+    were sampled in, so those answers become context: only answers sampled in exactly
+    the final sequence's prefix stay trained. Every sequence then fits the budget and
+    every trained token is on-policy for the tokens before it.
+    """
+    stripped = [
+        {**m, "content": split_thinking(m["content"])[1]} if m["role"] == "assistant" else dict(m) for m in messages
+    ]
+    rebuilt = Trajectory()
+    rebuilt.add_context(chat.prompt_ids(stripped[:2]))
+    for m in stripped[2:]:
+        if m["role"] == "assistant":
+            rebuilt.add_context(chat.answer_ids(m["content"]))
+        else:
+            rebuilt.add_context(chat.next_turn_ids(m["content"]))
+    return stripped, rebuilt

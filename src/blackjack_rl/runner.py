@@ -15,14 +15,17 @@ from tqdm import tqdm
 from .config import Settings
 from .episode import EpisodeSettings
 from .evaluate import compute_metrics, run_evaluation
-from .groups import GroupResult, Player, play_group
+from .groups import GroupResult, Player, play_deal
 from .solver import solve
 from .tokens import ChatFormat, HFTokenizer, LlamaCppTokenizer, embedded_model_path
 
 
 def build_player(settings: Settings) -> Player:
     p = settings.policy
+    e = settings.episode
     solution = solve(settings.game.rules)
+    # Thinking turns get the reasoning budget on top of the answer's.
+    max_new = p.max_tokens + (e.think_budget if e.thinking else 0)
     if p.kind == "embedded":
         from .policies.embedded import EmbeddedPolicy
 
@@ -32,7 +35,7 @@ def build_player(settings: Settings) -> Player:
             top_p=p.top_p,
             top_k=p.top_k,
             min_p=p.min_p,
-            max_tokens=p.max_tokens,
+            max_tokens=max_new,
             n_ctx=p.n_ctx or settings.episode.max_token_length,
             n_threads=p.n_threads,
             constrained=p.constrained,
@@ -49,7 +52,7 @@ def build_player(settings: Settings) -> Player:
                 api_key=p.api_key,
                 temperature=p.temperature,
                 top_p=p.top_p,
-                max_tokens=p.max_tokens,
+                max_tokens=max_new,
                 timeout=p.timeout,
                 retries=p.retries,
                 native_tools=p.native_tools,
@@ -63,10 +66,13 @@ def build_player(settings: Settings) -> Player:
                 "random": lambda: RandomBot(),
             }[p.kind]()
     episode = EpisodeSettings(
-        invalid_score=settings.episode.invalid_score,
+        invalid_score=e.invalid_score,
         max_turns=settings.game.max_turns,
-        max_token_length=settings.episode.max_token_length,
-        max_new_tokens=p.max_tokens,
+        max_token_length=e.max_token_length,
+        max_new_tokens=max_new,
+        thinking=e.thinking,
+        scoring=e.scoring,
+        format_bonus=e.format_bonus,
     )
     return Player(policy, chat, solution, episode)
 
@@ -114,23 +120,21 @@ async def run_process(settings: Settings, player: Player, progress: bool = True)
     t0 = time.perf_counter()
     bar = tqdm(total=len(seeds), desc="groups", unit="group", disable=not progress)
     with path.open("w", encoding="utf-8") as fh:
-        pending: list[asyncio.Task[GroupResult]] = []
+        pending: list[asyncio.Task[list[GroupResult]]] = []
         next_seed = 0
         while next_seed < len(seeds) or pending:
             while next_seed < len(seeds) and len(pending) < window:
-                pending.append(asyncio.create_task(
-                    play_group(player, seeds[next_seed], g.group_size,
-                               drop_equal_scores=g.drop_equal_scores, limiter=limiter)))
+                pending.append(asyncio.create_task(play_deal(player, seeds[next_seed], g, limiter)))
                 next_seed += 1
-            result = await pending.pop(0)
-            episodes += len(result.episodes)
-            failed += sum(ep.failed for ep in result.episodes)
-            if result.group is None:
-                dropped[result.dropped or "?"] = dropped.get(result.dropped or "?", 0) + 1
-            else:
-                fh.write(json.dumps(result.group, separators=(",", ":")) + "\n")
-                fh.flush()
-                written += 1
+            for result in await pending.pop(0):
+                episodes += len(result.episodes)
+                failed += sum(ep.failed for ep in result.episodes)
+                if result.group is None:
+                    dropped[result.dropped or "?"] = dropped.get(result.dropped or "?", 0) + 1
+                else:
+                    fh.write(json.dumps(result.group, separators=(",", ":")) + "\n")
+                    written += 1
+            fh.flush()
             bar.update(1)
             bar.set_postfix(written=written, failed_eps=failed)
     bar.close()

@@ -28,7 +28,7 @@ from .api.client import ApiUnavailable, EnvClient, RetryPolicy
 from .api.models import RegisterEnv
 from .config import Settings
 from .evaluate import compute_metrics, run_evaluation
-from .groups import GroupResult, Player, play_group
+from .groups import GroupResult, Player, play_deal
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Worker:
         import random
 
         self._rng = random.Random(worker_seed(settings.seed, worker_id))
-        self._tasks: set[asyncio.Task[GroupResult]] = set()
+        self._tasks: set[asyncio.Task[list[GroupResult]]] = set()
         self._limiter = asyncio.Semaphore(settings.groups.concurrency)
         self._last_eval_step: int | None = None
         self._eval_task: asyncio.Task[None] | None = None
@@ -122,8 +122,7 @@ class Worker:
 
     def _launch(self) -> None:
         g = self.settings.groups
-        task = asyncio.create_task(play_group(self.player, self._rng.randrange(2**32), g.group_size,
-                                              drop_equal_scores=g.drop_equal_scores, limiter=self._limiter))
+        task = asyncio.create_task(play_deal(self.player, self._rng.randrange(2**32), g, self._limiter))
         self._tasks.add(task)
 
     def _room(self, queued_groups: int) -> int:
@@ -145,13 +144,13 @@ class Worker:
         s.groups_sent += sent.sent_groups
         s.groups_rejected += len(sent.rejected)
         s.groups_parked = sent.parked_groups
-        played = [ep for ep in result.episodes if not ep.failed]
+        meta = result.group.get("episodes") or []
         self.metrics.write(
             "group",
             seed=result.seed,
-            mean_score=sum(ep.score for ep in played) / len(played),
-            valid_rate=sum(ep.status == "finished" for ep in played) / len(played),
-            win_rate=sum(ep.outcome == "win" for ep in played) / len(played),
+            mean_score=sum(result.group["scores"]) / len(result.group["scores"]),
+            valid_rate=sum(m.get("invalid_reason") is None for m in meta) / max(1, len(meta)),
+            win_rate=sum(m.get("outcome") == "win" for m in meta) / max(1, len(meta)),
             sent=s.groups_sent,
             parked=s.groups_parked,
             rejected=s.groups_rejected,
@@ -208,7 +207,8 @@ class Worker:
             done, _ = await asyncio.wait(self._tasks, timeout=self.cfg.poll_interval, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 self._tasks.discard(task)
-                await self._deliver(task.result())
+                for result in task.result():
+                    await self._deliver(result)
         await self.shutdown()
         return self.stats
 
@@ -226,7 +226,8 @@ class Worker:
                 task.cancel()
             for task in done:
                 if not task.cancelled() and task.exception() is None:
-                    await self._deliver(task.result())
+                    for result in task.result():
+                        await self._deliver(result)
             self._tasks.clear()
         if self._eval_task is not None and not self._eval_task.done():
             self._eval_task.cancel()

@@ -1,0 +1,159 @@
+"""Step groups: one GRPO group per decision, scored by Q* instead of by the cards.
+
+At each decision of a canonical episode, `group_size` answers are sampled from the
+byte-identical prompt (the conversation so far). Each answer is scored by
+Q*(state, its action), an expectation over unseen cards, so two answers that make the
+same choice score the same and a better choice always scores higher; an invalid answer
+gets the invalid score. Each sequence is the shared prompt plus one answer, and only
+that answer is trained: the format trainers that take the shared prefix as the prompt
+and ignore masks expect (Axolotl, verl). The canonical episode then continues with one
+of the answers: a sampled one (on-policy states) or the best one.
+
+This is what the Atropos "thinking" variant meant, without its flaws: it valued
+answers by replaying the seeded deck (seeing the future), trained on environment text
+and used non-standard roles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .episode import opening_messages, sampling_seed, without_thoughts
+from .groups import GroupResult, Player, ScoredDataGroup
+from .policies.base import InferenceError, Reply, Turn
+from .protocol import ACTION_NAMES, observation_text, parse_action
+from .tokens import Trajectory
+
+ContinueWith = Literal["sampled", "best"]
+
+
+@dataclass
+class StepDeal:
+    """A canonical episode and the groups sampled along it."""
+
+    seed: int
+    groups: list[GroupResult] = field(default_factory=list)
+    status: str = "finished"  # finished | invalid | truncated | failed
+    reward: float | None = None
+    error: str | None = None
+
+
+async def _sample(player: Player, turn: Turn, n: int, limiter: asyncio.Semaphore | None) -> list[Reply]:
+    respond_many = getattr(player.policy, "respond_many", None)
+    if respond_many is not None and n > 1:
+        try:
+            replies = list(await respond_many(turn, n))
+            if len(replies) == n:
+                return replies
+        except InferenceError:
+            pass  # fall back to one request per answer, which reports its own failures
+
+    async def one(i: int) -> Reply:
+        t = Turn(turn.messages, turn.prompt_ids, turn.observation, turn.natural, sampling_seed(turn.seed, i, 0))
+        if limiter is None:
+            return await player.policy.respond(t)
+        async with limiter:
+            return await player.policy.respond(t)
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def play_step_groups(
+    player: Player,
+    seed: int,
+    group_size: int,
+    *,
+    continue_with: ContinueWith = "sampled",
+    drop_equal_scores: bool = False,
+    limiter: asyncio.Semaphore | None = None,
+) -> StepDeal:
+    settings, chat, solution = player.settings, player.chat, player.solution
+    deal = StepDeal(seed)
+    table = player.tables.acquire()
+    try:
+        obs = table.reset(seed)
+        messages = opening_messages(obs, settings.thinking)
+        context = Trajectory()
+        context.add_context(chat.prompt_ids(messages))
+        for turn_index in range(settings.max_turns):
+            if settings.thinking and len(context) + settings.max_new_tokens > settings.max_token_length:
+                messages, context = without_thoughts(messages, chat)
+            if len(context) + settings.max_new_tokens > settings.max_token_length:
+                deal.status = "truncated"
+                return deal
+            natural = table.player_is_natural
+            prompt = list(context.tokens)
+            turn = Turn(messages, prompt, obs, natural, sampling_seed(seed, 0, turn_index) ^ 0x5EED)
+            try:
+                replies = await _sample(player, turn, group_size, limiter)
+            except Exception as exc:  # no answers: the deal fails; groups already made stay valid
+                deal.status, deal.error = "failed", f"{type(exc).__name__}: {exc}"
+                return deal
+            q = solution.q_values(obs, natural)
+            best = solution.best_action(obs, natural)
+            parsed = [parse_action(r.text, r.tool_calls) for r in replies]
+            scores = [
+                (q[p.action] + settings.format_bonus) if p.valid else settings.invalid_score for p in parsed
+            ]
+            sequences = [_sequence(prompt, r, chat) for r in replies]
+            group = ScoredDataGroup(
+                tokens=[t.tokens for t in sequences],
+                masks=[t.masks for t in sequences],
+                inference_logprobs=[t.logprobs for t in sequences],
+                scores=scores,
+                messages=[[*messages, {"role": "assistant", "content": r.text}] for r in replies],
+                generation_params={**player.policy.generation_params(), "group_by": "step"},
+                overrides=None,
+                group_overrides=None,
+                episodes=[
+                    {
+                        "seed": seed,
+                        "decision": turn_index,
+                        "index": i,
+                        "state": [obs.player_sum, obs.dealer_card, int(obs.usable_ace)],
+                        "natural": natural,
+                        "action": ACTION_NAMES.get(p.action) if p.valid else None,
+                        "optimal": ACTION_NAMES[best],
+                        "q": {"stick": q[0], "hit": q[1]},
+                        "invalid_reason": p.error.value if p.error else None,
+                        "score": scores[i],
+                    }
+                    for i, p in enumerate(parsed)
+                ],
+            )
+            dropped = drop_equal_scores and len(set(scores)) == 1 and group_size > 1
+            deal.groups.append(GroupResult(seed, [], None if dropped else group, "equal_scores" if dropped else None))
+
+            pick = max(range(group_size), key=lambda i: scores[i]) if continue_with == "best" else 0
+            chosen, choice = replies[pick], parsed[pick]
+            if not choice.valid:
+                deal.status = "invalid"
+                return deal
+            messages = [*messages, {"role": "assistant", "content": chosen.text}]
+            context.add_context(sequences[pick].tokens[len(prompt):])
+            step = table.step(choice.action)
+            if step.terminated:
+                deal.reward = step.reward
+                return deal
+            obs = step.observation
+            text = observation_text(*obs)
+            messages.append({"role": "user", "content": text})
+            context.add_context(chat.next_turn_ids(text))
+        deal.status = "truncated"
+        return deal
+    finally:
+        player.tables.release(table)
+
+
+def _sequence(prompt: list[int], reply: Reply, chat) -> Trajectory:
+    t = Trajectory()
+    t.add_context(prompt)
+    if reply.completion_ids is not None:
+        t.add_sampled(reply.completion_ids, reply.logprobs)
+        if reply.finish_reason == "length":
+            t.add_context(chat.end_of_turn_ids)
+    else:
+        t.add_sampled(chat.answer_ids(reply.text), None)
+    return t
