@@ -1,0 +1,382 @@
+"""A pool of inference servers: weighted least-loaded routing, one cap, bounded retries, quarantine.
+
+Why it looks like this:
+- One `httpx.AsyncClient` per server for the pool's lifetime: building a client per
+  request costs more CPU than the rest of an episode.
+- Each request takes exactly one slot on exactly one server and holds nothing else
+  while it waits for it; the slot is released before any retry backoff. No nested
+  limits means no deadlock at any cap, down to 1. httpx's own connection limit is set
+  to the cap, so it never becomes a second, hidden queue.
+- Only failures that can succeed later are retried: 5xx, 408, timeouts and broken
+  connections, with jittered exponential backoff, preferring another server. A 4xx
+  or a malformed body is returned as an error at once.
+- A server that fails `quarantine_after` times in a row is taken out of rotation and
+  probed (`GET /v1/models`) after a backoff that doubles with every relapse, until a
+  real request succeeds again. With every server quarantined a request fails at once
+  with an error naming each server and its last error, instead of hanging.
+- Nothing is logged on the success path; quarantine and recovery are logged once each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import httpx
+
+from .base import InferenceError
+
+log = logging.getLogger(__name__)
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class NoHealthyServer(InferenceError):
+    """Every server of the pool is quarantined."""
+
+
+class ServerBusy(InferenceError):
+    """Every healthy server stayed at its concurrency cap for `acquire_timeout` seconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    """One endpoint: its URL (with or without the trailing `/v1`), its routing weight and cap."""
+
+    url: str
+    weight: float = 1.0
+    max_concurrency: int | None = None  # None: the pool's default
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"server URL {self.url!r} must start with http:// or https://")
+        if not self.weight > 0:
+            raise ValueError(f"server {self.url}: weight must be > 0, got {self.weight}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"server {self.url}: max_concurrency must be >= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> "ServerSpec":
+        """`URL` or `URL,WEIGHT` (the `--server` flag's format)."""
+        url, sep, weight = text.strip().rpartition(",")
+        if not sep:
+            return cls(weight)
+        try:
+            return cls(url.strip(), float(weight))
+        except ValueError as exc:
+            raise ValueError(f"--server {text!r}: expected URL or URL,WEIGHT with a positive number ({exc})") from exc
+
+
+def server_root(url: str) -> str:
+    """The server's root URL: OpenAI routes live under `/v1`, native ones (SGLang, llama.cpp) at the root."""
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+class _Server:
+    """Mutable per-server state; only touched from the event loop, so no locks."""
+
+    __slots__ = ("url", "root", "weight", "cap", "client", "in_flight", "failures", "strikes",
+                 "quarantined_until", "probing", "last_error", "requests", "errors")
+
+    def __init__(self, spec: ServerSpec, cap: int, client: httpx.AsyncClient) -> None:
+        self.url = spec.url
+        self.root = server_root(spec.url)
+        self.weight = spec.weight
+        self.cap = spec.max_concurrency or cap
+        self.client = client
+        self.in_flight = 0
+        self.failures = 0  # consecutive failed requests
+        self.strikes = 0  # quarantines since the last successful request
+        self.quarantined_until = 0.0  # 0.0: healthy
+        self.probing = False
+        self.last_error = ""
+        self.requests = 0
+        self.errors = 0
+
+
+class ServerPool:
+    """Sends JSON requests to the least-loaded healthy server, within each server's cap."""
+
+    def __init__(
+        self,
+        servers: Sequence[ServerSpec],
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        connect_timeout: float = 5.0,
+        retries: int = 2,
+        max_concurrency: int = 128,
+        acquire_timeout: float | None = None,
+        quarantine_after: int = 3,
+        quarantine_s: float = 2.0,
+        max_quarantine_s: float = 60.0,
+        backoff_s: float = 0.25,
+        max_backoff_s: float = 8.0,
+        probe_path: str = "/v1/models",
+    ) -> None:
+        if not servers:
+            raise ValueError("the server pool needs at least one server (--server URL[,WEIGHT])")
+        if len({s.url for s in servers}) != len(servers):
+            raise ValueError("the same server URL is listed twice; give it a higher weight instead")
+        if max_concurrency < 1 or retries < 0 or quarantine_after < 1:
+            raise ValueError("max_concurrency and quarantine_after must be >= 1, retries >= 0")
+        self.timeout = timeout
+        self.retries = retries
+        self.acquire_timeout = acquire_timeout if acquire_timeout is not None else timeout
+        self.quarantine_after = quarantine_after
+        self.quarantine_s, self.max_quarantine_s = quarantine_s, max_quarantine_s
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.probe_path = probe_path
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._servers: list[_Server] = []
+        for spec in servers:
+            cap = spec.max_concurrency or max_concurrency
+            client = httpx.AsyncClient(
+                base_url=server_root(spec.url),
+                headers=headers,
+                timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)),
+                limits=httpx.Limits(max_connections=cap, max_keepalive_connections=cap),
+            )
+            self._servers.append(_Server(spec, max_concurrency, client))
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._turn = 0  # rotates ties, so equally loaded servers share the work
+        self._closed = False
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self._servers]
+
+    async def post(self, path: str, body: dict[str, Any]) -> Any:
+        """POST `body` as JSON to `path` (relative to a server's root) and return the decoded answer.
+
+        Raises InferenceError (or its subclasses NoHealthyServer, ServerBusy) with a message
+        that says what failed and what to check; never returns a partial answer.
+        """
+        if self._closed:
+            raise InferenceError("the server pool is closed")
+        content = json.dumps(body, separators=(",", ":")).encode()
+        failed_on: list[_Server] = []
+        last_error = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self._backoff(attempt))
+            server = await self._acquire(failed_on)
+            try:
+                response = await server.client.post(path, content=content, headers=_JSON_HEADERS)
+            except httpx.TimeoutException as exc:
+                last_error = f"{server.url}{path}: timed out after {self.timeout:g}s ({type(exc).__name__})"
+            except httpx.TransportError as exc:
+                last_error = f"{server.url}{path}: {type(exc).__name__}: {exc or 'connection failed'}"
+            else:
+                status = response.status_code
+                if status < 400:
+                    try:
+                        data = json.loads(response.content)
+                    except ValueError:
+                        self._failed(server, f"invalid JSON from {path}")
+                        raise InferenceError(
+                            f"{server.url}{path} answered HTTP {status} with invalid JSON: {response.text[:200]!r}"
+                        ) from None
+                    self._succeeded(server)
+                    return data
+                if status < 500 and status != 408:
+                    self._succeeded(server)  # the server is fine; the request is wrong
+                    raise InferenceError(
+                        f"{server.url}{path} refused the request: HTTP {status}: {response.text[:300]}. "
+                        "Client errors are not retried: check the model name, the server's API "
+                        "(--server-api) and the sampling parameters."
+                    )
+                last_error = f"{server.url}{path}: HTTP {status}: {response.text[:200]}"
+            finally:
+                self._release(server)
+            self._failed(server, last_error)
+            failed_on.append(server)
+        raise InferenceError(f"request failed after {self.retries + 1} attempts; last error: {last_error}")
+
+    async def get(self, server_url: str, path: str) -> httpx.Response:
+        """One plain GET to one server, outside routing and retries (capability probes)."""
+        server = next((s for s in self._servers if s.url == server_url), None)
+        if server is None:
+            raise ValueError(f"{server_url} is not in the pool")
+        return await server.client.get(path)
+
+    async def post_to(self, server_url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+        """One plain POST to one server, outside routing, retries and health (capability probes)."""
+        server = next((s for s in self._servers if s.url == server_url), None)
+        if server is None:
+            raise ValueError(f"{server_url} is not in the pool")
+        return await server.client.post(path, json=body)
+
+    def healthy_urls(self) -> list[str]:
+        return [s.url for s in self._servers if not s.quarantined_until]
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Each server's state, for status lines and error messages."""
+        return [
+            {
+                "url": s.url,
+                "weight": s.weight,
+                "cap": s.cap,
+                "in_flight": s.in_flight,
+                "healthy": not s.quarantined_until,
+                "requests": s.requests,
+                "errors": s.errors,
+                "last_error": s.last_error or None,
+            }
+            for s in self._servers
+        ]
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+        for s in self._servers:
+            await s.client.aclose()
+
+    # -- routing -------------------------------------------------------------------
+
+    async def _acquire(self, avoid: Iterable[_Server]) -> _Server:
+        """Take one slot on the least-loaded healthy server; wait (bounded) if all are at their cap."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.acquire_timeout
+        while True:
+            server = self._pick(loop.time(), avoid)
+            if server is not None:
+                server.in_flight += 1
+                server.requests += 1
+                return server
+            if self._closed:
+                raise InferenceError("the server pool is closed")
+            if not any(not s.quarantined_until for s in self._servers):
+                raise NoHealthyServer(self._none_healthy_message(loop.time()))
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise ServerBusy(
+                    f"every healthy server stayed at its concurrency cap for {self.acquire_timeout:g}s "
+                    f"({self._describe()}); raise the caps or lower the episode concurrency"
+                )
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, remaining)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                if not waiter.done():
+                    waiter.cancel()
+                try:
+                    self._waiters.remove(waiter)
+                except ValueError:
+                    pass
+
+    def _pick(self, now: float, avoid: Iterable[_Server]) -> _Server | None:
+        servers = self._servers
+        n = len(servers)
+        avoid = tuple(avoid)
+        best: _Server | None = None
+        best_score = float("inf")
+        start = self._turn = (self._turn + 1) % n
+        for k in range(n):
+            s = servers[(start + k) % n]
+            if s.quarantined_until:
+                if now >= s.quarantined_until and not s.probing and not self._closed:
+                    self._spawn_probe(s)
+                continue
+            if s.in_flight >= s.cap:
+                continue
+            score = (s.in_flight + 1) / s.weight
+            if avoid and s in avoid:
+                score += 1e12  # retry elsewhere when anywhere else has room
+            if score < best_score:
+                best, best_score = s, score
+        return best
+
+    def _release(self, server: _Server) -> None:
+        server.in_flight -= 1
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _wake_all(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _backoff(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random())
+
+    # -- health --------------------------------------------------------------------
+
+    def _succeeded(self, server: _Server) -> None:
+        if server.failures or server.strikes:
+            server.failures = server.strikes = 0
+
+    def _failed(self, server: _Server, error: str) -> None:
+        server.errors += 1
+        server.failures += 1
+        server.last_error = error
+        if server.failures >= self.quarantine_after and not server.quarantined_until:
+            self._quarantine(server)
+
+    def _quarantine(self, server: _Server) -> None:
+        delay = min(self.max_quarantine_s, self.quarantine_s * 2**server.strikes)
+        server.strikes += 1
+        server.quarantined_until = asyncio.get_running_loop().time() + delay
+        log.warning("server %s quarantined for %.1fs after %d failures in a row; last error: %s",
+                    server.url, delay, server.failures, server.last_error)
+        self._wake_all()  # waiters re-check: they may now have to fail fast
+
+    def _spawn_probe(self, server: _Server) -> None:
+        server.probing = True
+        task = asyncio.get_running_loop().create_task(self._probe(server))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _probe(self, server: _Server) -> None:
+        try:
+            response = await server.client.get(self.probe_path, timeout=min(self.timeout, 5.0))
+            ok = response.status_code < 500
+            error = f"probe {self.probe_path}: HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            ok, error = False, f"probe {self.probe_path}: {type(exc).__name__}: {exc}"
+        finally:
+            server.probing = False
+        if ok:
+            server.quarantined_until = 0.0
+            server.failures = 0  # strikes stay until a real request succeeds
+            log.warning("server %s is back in rotation (probe answered)", server.url)
+            self._wake_all()
+        else:
+            server.last_error = error
+            delay = min(self.max_quarantine_s, self.quarantine_s * 2**server.strikes)
+            server.strikes += 1
+            server.quarantined_until = asyncio.get_running_loop().time() + delay
+
+    def _describe(self) -> str:
+        return "; ".join(f"{s.url}: {s.in_flight}/{s.cap} in flight" for s in self._servers)
+
+    def _none_healthy_message(self, now: float) -> str:
+        parts = [
+            f"{s.url} (quarantined for {max(0.0, s.quarantined_until - now):.1f}s more; last error: {s.last_error})"
+            for s in self._servers
+        ]
+        return (
+            f"no healthy inference server: all {len(self._servers)} are quarantined after repeated failures: "
+            + "; ".join(parts)
+            + ". Check that the servers are running and reachable; they are probed and return on their own."
+        )

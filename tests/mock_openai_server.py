@@ -1,0 +1,260 @@
+"""A stand-in for a vLLM OpenAI-compatible server, written from vLLM's documented API, with faults.
+
+What it implements (vLLM's shapes):
+- `POST /v1/completions`: `prompt` as a list of token ids (or a string), `n`, `seed`,
+  `max_tokens`, `logprobs`, `return_tokens_as_token_ids`. Each choice has `text`,
+  `logprobs.tokens` ("token_id:N" strings when asked, else text pieces),
+  `logprobs.token_logprobs`, `finish_reason` ("stop" | "length") and `stop_reason`
+  (None when the EOS token ended it; vLLM keeps that EOS id in the returned tokens).
+  Choice i of a seeded n-request samples like a single request seeded `seed + i`, as
+  vLLM seeds the children of a parallel-sampling request.
+- `POST /v1/chat/completions` with `n`; `GET /v1/models`; `GET /health`.
+
+The "model" picks one of a fixed list of answers (token ids, text) with a seeded RNG,
+so tests know exactly which ids the server returned. Faults are switched on at run
+time with `POST /_control` (see `Control`), and `GET /_stats` returns request counts
+and a log of every completion returned, to compare trained ids against.
+
+Run: python tests/mock_openai_server.py --port PORT --config answers.json
+Binds 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+
+@dataclass
+class Control:
+    latency_ms: float = 0.0  # added to every generation request
+    status: int = 0  # answer generation requests with this HTTP status (0: off)
+    fail_times: int = -1  # how many requests `status`/`malformed`/`hang` apply to (-1: all)
+    malformed: bool = False  # HTTP 200 with a body that is not JSON
+    bad_shape: bool = False  # HTTP 200 JSON without logprobs
+    hang: bool = False  # never answer generation requests
+    ignore_n: bool = False  # one choice whatever `n` says (like llama-cpp-python)
+    omit_eos: bool = False  # stop on EOS but leave it out of the tokens
+    record: bool = True  # keep a log of returned completions for /_stats
+
+
+@dataclass
+class State:
+    answers: list[dict[str, Any]]  # {"ids": [...], "text": "...", "weight": w}
+    eos: int
+    model: str
+    control: Control = field(default_factory=Control)
+    requests: dict[str, int] = field(default_factory=dict)
+    log: list[dict[str, Any]] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+
+def build_app(state: State) -> FastAPI:
+    weights = [a.get("weight", 1.0) for a in state.answers]
+
+    def sample(seed: int | None) -> dict[str, Any]:
+        rng = random.Random(seed) if seed is not None else random
+        return rng.choices(state.answers, weights)[0]
+
+    async def fault(path: str) -> Response | None:
+        state.requests[path] = state.requests.get(path, 0) + 1
+        c = state.control
+        if c.latency_ms:
+            await asyncio.sleep(c.latency_ms / 1000)
+        active = c.fail_times != 0
+        if active and c.fail_times > 0 and (c.status or c.malformed or c.hang):
+            c.fail_times -= 1
+        if not active:
+            return None
+        if c.hang:
+            await asyncio.sleep(3600)
+        if c.status:
+            return JSONResponse({"error": {"message": "injected failure", "code": c.status}}, status_code=c.status)
+        if c.malformed:
+            return Response(b'{"choices": [{"text": "trunc', media_type="application/json")
+        return None
+
+    async def completions(request: Request) -> Response:
+        state.in_flight += 1
+        state.max_in_flight = max(state.max_in_flight, state.in_flight)
+        try:
+            return await _completions(request)
+        finally:
+            state.in_flight -= 1
+
+    async def _completions(request: Request) -> Response:
+        if (bad := await fault("/v1/completions")) is not None:
+            return bad
+        body = await request.json()
+        if body.get("model") != state.model:
+            return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does not exist."}}, 404)
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+            return JSONResponse({"error": {"message": "prompt must be a string or a list of token ids"}}, 400)
+        n = 1 if state.control.ignore_n else int(body.get("n", 1))
+        seed = body.get("seed")
+        max_tokens = int(body.get("max_tokens", 16))
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        choices, returned = [], []
+        for i in range(n):
+            answer = sample(None if seed is None else seed + i)
+            ids = list(answer["ids"])[:max_tokens]
+            stopped = len(ids) == len(answer["ids"]) and ids and ids[-1] == state.eos
+            if stopped and state.control.omit_eos:
+                ids = ids[:-1]
+            logprobs = [-((7 * t) % 97 + 1) / 100.0 for t in ids]
+            choice: dict[str, Any] = {
+                "index": i,
+                "text": answer["text"],
+                "finish_reason": "stop" if stopped else "length",
+                "stop_reason": None,
+            }
+            if body.get("logprobs") is not None and not state.control.bad_shape:
+                choice["logprobs"] = {
+                    "text_offset": list(range(len(ids))),
+                    "token_logprobs": logprobs,
+                    "tokens": [f"token_id:{t}" if as_ids else f"<{t}>" for t in ids],
+                    "top_logprobs": None,
+                }
+            choices.append(choice)
+            returned.append({"ids": ids, "logprobs": logprobs})
+        if state.control.record and isinstance(prompt, list):
+            state.log.append({"prompt": prompt, "choices": returned})
+        return JSONResponse({"id": "cmpl-mock", "object": "text_completion", "model": state.model, "choices": choices,
+                             "usage": {"prompt_tokens": len(prompt), "completion_tokens": 0}})
+
+    async def chat(request: Request) -> Response:
+        if (bad := await fault("/v1/chat/completions")) is not None:
+            return bad
+        body = await request.json()
+        if body.get("model") != state.model:
+            return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does not exist."}}, 404)
+        n = 1 if state.control.ignore_n else int(body.get("n", 1))
+        seed = body.get("seed")
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": sample(None if seed is None else seed + i)["text"]},
+             "finish_reason": "stop"}
+            for i in range(n)
+        ]
+        return JSONResponse({"id": "chatcmpl-mock", "object": "chat.completion", "model": state.model, "choices": choices})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": state.model, "object": "model", "owned_by": "vllm"}]})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def control(request: Request) -> Response:
+        body = await request.json()
+        if body.pop("reset", False):
+            state.control = Control()
+            state.requests.clear()
+            state.log.clear()
+            state.max_in_flight = 0
+        for key, value in body.items():
+            if not hasattr(state.control, key):
+                return JSONResponse({"error": f"unknown control {key}"}, 400)
+            setattr(state.control, key, value)
+        return JSONResponse(asdict(state.control))
+
+    async def stats(request: Request) -> Response:
+        return JSONResponse({"requests": state.requests, "log": state.log, "max_in_flight": state.max_in_flight})
+
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/_control", control, methods=["POST"])
+    app.add_api_route("/_stats", stats, methods=["GET"])
+    return app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MockServer:
+    """One mock server in its own process (so it can hang, or be killed by PID, for real)."""
+
+    def __init__(self, config_path: str | Path, startup_s: float = 30.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.root = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--port", str(self.port), "--config", str(config_path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mock server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.root}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"mock server did not come up in {startup_s}s")
+
+    def control(self, **settings: Any) -> dict[str, Any]:
+        return httpx.post(f"{self.root}/_control", json=settings, timeout=5).json()
+
+    def stats(self) -> dict[str, Any]:
+        return httpx.get(f"{self.root}/_stats", timeout=10).json()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def write_config(path: str | Path, answers: list[dict[str, Any]], eos: int, model: str = "mock") -> Path:
+    path = Path(path)
+    path.write_text(json.dumps({"answers": answers, "eos": eos, "model": model}), encoding="utf-8")
+    return path
+
+
+def main() -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--config", required=True, help='JSON: {"answers": [{"ids", "text", "weight"}], "eos": id, "model": name}')
+    args = parser.parse_args()
+    with open(args.config, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    state = State(answers=cfg["answers"], eos=int(cfg["eos"]), model=cfg.get("model", "mock"))
+    uvicorn.run(build_app(state), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+
+
+
+def blackjack_answers(chat: Any) -> list[dict[str, Any]]:
+    """Answers a Blackjack player might give, as ids of `chat`'s tokenizer: calls that hit or
+    stick (closed by the end-of-turn id), a wordy invalid answer, and one that never ends."""
+    from blackjack_rl.protocol import HIT, STICK, tool_call_text
+
+    eot = list(chat.end_of_turn_ids)
+    texts = [(tool_call_text(HIT), 4, True), (tool_call_text(STICK), 4, True),
+             ("I would like to hit, please.", 1, True), ("Let me think about this hand. " * 8, 1, False)]
+    return [{"ids": chat.backend.encode(t) + (eot if closed else []), "text": t, "weight": w} for t, w, closed in texts]
+
+
+if __name__ == "__main__":
+    main()

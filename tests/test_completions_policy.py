@@ -1,0 +1,236 @@
+"""Token-exact rollouts: the trained ids are exactly the ids the server returned.
+
+Against a mock of vLLM's completions API (tests/mock_openai_server.py) and against the
+real llama-cpp-python server, which cannot return token ids and must fall back to chat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from blackjack_rl.groups import Player, play_group
+from blackjack_rl.policies.base import InferenceError, Turn
+from blackjack_rl.policies.openai_completions import CHAT_PATH, COMPLETIONS_PATH, OpenAICompletionsPolicy
+from blackjack_rl.policies.pool import ServerPool, ServerSpec
+from blackjack_rl.tokens import MASKED, ChatFormat, HFTokenizer, trained_spans
+from mock_openai_server import MockServer, blackjack_answers, free_port, write_config
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def mock(tmp_path_factory, vocab_chat):
+    cfg = write_config(tmp_path_factory.mktemp("mock") / "answers.json", blackjack_answers(vocab_chat),
+                       vocab_chat.end_of_turn_ids[0])
+    server = MockServer(cfg)
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def fresh(mock):
+    mock.control(reset=True)
+    return mock
+
+
+def policy_for(urls, chat, *, model="mock", max_tokens=48, token_path="auto", **pool_args):
+    pool_args.setdefault("timeout", 10.0)
+    pool = ServerPool([ServerSpec(u) for u in urls], **pool_args)
+    return OpenAICompletionsPolicy(pool, model, chat, max_tokens=max_tokens, token_path=token_path)
+
+
+def play_groups(policy, chat, solution, seeds, group_size):
+    async def main():
+        player = Player(policy, chat, solution)
+        try:
+            return [await play_group(player, seed, group_size) for seed in seeds]
+        finally:
+            await policy.aclose()
+
+    return asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def returned_by_prompt(stats):
+    out: dict[tuple[int, ...], list[dict]] = {}
+    for entry in stats["log"]:
+        out.setdefault(tuple(entry["prompt"]), []).extend(entry["choices"])
+    return out
+
+
+def test_trained_ids_and_logprobs_are_exactly_what_the_server_returned(fresh, vocab_chat, solution):
+    policy = policy_for([fresh.url], vocab_chat)
+    results = play_groups(policy, vocab_chat, solution, range(6), 8)
+    stats = fresh.stats()
+    returned = returned_by_prompt(stats)
+    spans_checked = 0
+    for result in results:
+        assert result.group is not None, [ep.error for ep in result.episodes]
+        g = result.group
+        assert g["generation_params"]["token_path"] == COMPLETIONS_PATH
+        for tokens, masks, logprobs in zip(g["tokens"], g["masks"], g["inference_logprobs"]):
+            spans = trained_spans(masks)
+            assert spans
+            for a, b in spans:
+                candidates = returned[tuple(tokens[:a])]  # the prompt the server was sent
+                matches = [c for c in candidates if c["ids"] == tokens[a:b]]
+                assert matches, "trained ids differ from every completion the server returned for that prompt"
+                assert any(c["logprobs"] == logprobs[a:b] for c in matches)
+                assert masks[a:b] == tokens[a:b]
+                spans_checked += 1
+    assert spans_checked >= 48
+    # one request with n = group size per group (the shared first turn), plus the probe
+    n_requests = [len(e["choices"]) for e in stats["log"]]
+    assert n_requests.count(8) == 6
+
+
+def test_a_truncated_answer_is_trained_as_sampled_and_closed_as_context(fresh, vocab_chat, solution):
+    """max_tokens cuts every answer: the ids stay as returned, the end-of-turn id is context."""
+    eot = vocab_chat.end_of_turn_ids[0]
+    policy = policy_for([fresh.url], vocab_chat, max_tokens=6)
+    results = play_groups(policy, vocab_chat, solution, [7], 4)
+    returned = returned_by_prompt(fresh.stats())
+    for ep in results[0].episodes:
+        (a, b), = trained_spans(ep.trajectory.masks)
+        assert any(c["ids"] == ep.trajectory.tokens[a:b] for c in returned[tuple(ep.trajectory.tokens[:a])])
+        assert ep.trajectory.tokens[b] == eot and ep.trajectory.masks[b] == MASKED
+
+
+def test_end_of_turn_is_added_only_when_the_server_says_it_stopped_on_it(fresh, vocab_chat, solution):
+    eot = vocab_chat.end_of_turn_ids[0]
+    fresh.control(omit_eos=True)  # a server that stops on EOS but leaves it out of the tokens
+    policy = policy_for([fresh.url], vocab_chat)
+    turn = Turn([], vocab_chat.backend.encode("hello"), None, False, 11)
+
+    async def main():
+        try:
+            return await policy.respond_many(turn, 16)
+        finally:
+            await policy.aclose()
+
+    replies = asyncio.run(main())
+    returned = returned_by_prompt(fresh.stats())[tuple(turn.prompt_ids)]
+    for reply, sent in zip(replies, returned):
+        if reply.finish_reason == "stop":  # stopped on EOS: appended, with probability one
+            assert reply.completion_ids == sent["ids"] + [eot] and reply.logprobs == sent["logprobs"] + [0.0]
+        else:  # ran out of tokens: nothing appended
+            assert reply.completion_ids == sent["ids"] and eot not in sent["ids"]
+    assert {r.finish_reason for r in replies} == {"stop", "length"}
+
+
+def test_a_server_that_ignores_n_is_topped_up_with_the_same_samples(fresh, vocab_chat):
+    turn = Turn([], vocab_chat.backend.encode("deal"), None, False, 1234)
+
+    def sample(ignore_n):
+        fresh.control(reset=True, ignore_n=ignore_n)
+        policy = policy_for([fresh.url], vocab_chat, token_path="completions")
+
+        async def main():
+            try:
+                return await policy.respond_many(turn, 8)
+            finally:
+                await policy.aclose()
+
+        replies = asyncio.run(main())
+        return [r.completion_ids for r in replies], fresh.stats()["requests"]["/v1/completions"]
+
+    honoured, one_request = sample(False)
+    topped_up, eight_requests = sample(True)
+    assert (one_request, eight_requests) == (1, 8)
+    assert honoured == topped_up  # choice i of a seeded n-request == a single request seeded seed + i
+
+
+def test_an_answer_without_token_ids_fails_the_request_without_retrying(fresh, vocab_chat, solution):
+    fresh.control(bad_shape=True)
+    policy = policy_for([fresh.url], vocab_chat, token_path="completions", retries=3)
+
+    async def main():
+        try:
+            with pytest.raises(InferenceError, match="without usable token ids"):
+                await policy.respond(Turn([], [1, 2, 3], None, False, 0))
+        finally:
+            await policy.aclose()
+
+    asyncio.run(main())
+    assert fresh.stats()["requests"]["/v1/completions"] == 1
+
+
+def test_a_wrong_model_name_is_a_clear_error_not_retried(fresh, vocab_chat):
+    policy = policy_for([fresh.url], vocab_chat, model="no-such-model", token_path="completions", retries=3)
+
+    async def main():
+        try:
+            with pytest.raises(InferenceError, match="HTTP 404.*not retried"):
+                await policy.respond(Turn([], [1, 2, 3], None, False, 0))
+        finally:
+            await policy.aclose()
+
+    asyncio.run(main())
+    assert fresh.stats()["requests"]["/v1/completions"] == 1
+
+
+# -- the real llama-cpp-python server: no token ids, so the chat path --------------------
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_python_server(gguf_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1",
+         "--port", str(port), "--n_ctx", "2048", "--verbose", "False", "--model_alias", "smollm2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            raise RuntimeError("llama_cpp.server did not come up in 60 s")
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("api", ["vllm", "sglang", "llamacpp"])
+def test_llama_cpp_python_cannot_return_token_ids_so_chat_is_used(llama_cpp_python_server, hf_tokenizer_dir, api):
+    chat = ChatFormat.learn(HFTokenizer(str(hf_tokenizer_dir)))
+    pool = ServerPool([ServerSpec(llama_cpp_python_server)], timeout=60)
+    policy = OpenAICompletionsPolicy(pool, "smollm2", chat, api=api, max_tokens=24)
+
+    async def main():
+        try:
+            return await policy.respond(Turn([{"role": "user", "content": "Say hi."}], [], None, False, 3))
+        finally:
+            await policy.aclose()
+
+    reply = asyncio.run(main())
+    assert policy.token_path == CHAT_PATH
+    assert llama_cpp_python_server in policy.generation_params()["token_path_reason"]
+    assert reply.completion_ids is None and reply.text
+
+
+@pytest.mark.embedded
+def test_groups_through_llama_cpp_python_record_the_chat_path(llama_cpp_python_server, hf_tokenizer_dir, solution):
+    chat = ChatFormat.learn(HFTokenizer(str(hf_tokenizer_dir)))
+    pool = ServerPool([ServerSpec(llama_cpp_python_server)], timeout=60, max_concurrency=1)
+    policy = OpenAICompletionsPolicy(pool, "smollm2", chat, max_tokens=24)
+    (result,) = play_groups(policy, chat, solution, [5], 3)  # the server ignores n: topped up
+    assert not any(ep.failed for ep in result.episodes), [ep.error for ep in result.episodes]
+    assert result.group["generation_params"]["token_path"] == CHAT_PATH
+    for ep in result.episodes:
+        answers = [m["content"] for m in ep.messages if m["role"] == "assistant"]
+        spans = trained_spans(ep.trajectory.masks)
+        for (a, b), answer in zip(spans, answers):
+            assert chat.backend.decode(ep.trajectory.tokens[a:b]) == answer + "<|im_end|>"
