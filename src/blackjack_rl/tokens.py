@@ -151,7 +151,11 @@ class ChatFormat:
     glue: str
     tail: str
     end_of_turn_ids: list[int] = field(default_factory=list)
+    # Observations and well-formed answers repeat endlessly (a few hundred distinct
+    # texts), so their ids are cached; the caches are bounded for free-form answers.
     _prompt_cache: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    _turn_cache: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    _answer_cache: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def learn(cls, backend: TokenizerBackend) -> "ChatFormat":
@@ -179,21 +183,27 @@ class ChatFormat:
 
     def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
         """Tokens of the opening conversation; cached, since a group shares its prompt."""
-        text = self.backend.render(messages, add_generation_prompt=True)
-        ids = self._prompt_cache.get(text)
-        if ids is None:
-            if len(self._prompt_cache) > 4096:
-                self._prompt_cache.clear()
-            ids = self._prompt_cache[text] = self.backend.encode(text)
-        return list(ids)
+        key = "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages)
+        return _cached(
+            self._prompt_cache, key, lambda _: self.backend.encode(self.backend.render(messages, add_generation_prompt=True))
+        )
 
     def next_turn_ids(self, user_text: str) -> list[int]:
         """Tokens after an answer's end-of-turn, through the next user message, up to the next answer."""
-        return self.backend.encode(self.glue + user_text + self.tail)
+        return _cached(self._turn_cache, self.glue + user_text + self.tail, self.backend.encode)
 
     def answer_ids(self, text: str) -> list[int]:
         """Tokens for an answer known only as text (bots, chat-completions servers)."""
-        return self.backend.encode(text) + self.end_of_turn_ids
+        return _cached(self._answer_cache, text, lambda t: self.backend.encode(t) + self.end_of_turn_ids)
+
+
+def _cached(cache: dict[str, list[int]], text: str, encode) -> list[int]:
+    ids = cache.get(text)
+    if ids is None:
+        if len(cache) >= 4096:
+            cache.clear()
+        ids = cache[text] = encode(text)
+    return list(ids)
 
 
 @dataclass
