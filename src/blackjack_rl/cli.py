@@ -221,7 +221,7 @@ def _cmd_process(args: argparse.Namespace, console: Console) -> int:
 
     s = asyncio.run(main())
     console.print(
-        f"Wrote {s.groups_written} groups ({s.episodes} episodes, {s.episodes_failed} failed"
+        f"Wrote {s.groups_written} groups ({s.episodes} sequences played, {s.episodes_failed} failed"
         + (f", dropped {s.groups_dropped}" if s.groups_dropped else "")
         + f") in {s.seconds:.1f}s to [bold]{s.out_file}[/bold]; browse them in [bold]{s.html_file}[/bold]"
     )

@@ -119,6 +119,10 @@ async def run_process(settings: Settings, player: Player, progress: bool = True)
     written = episodes = failed = 0
     t0 = time.perf_counter()
     bar = tqdm(total=len(seeds), desc="groups", unit="group", disable=not progress)
+    from .report.dataset import DatasetView
+
+    # The viewer grows with the file (one chunk at a time), never rebuilt from it.
+    view = DatasetView(out / "groups.html", player.chat.backend, source=path.name)
     with path.open("w", encoding="utf-8") as fh:
         pending: list[asyncio.Task[list[GroupResult]]] = []
         next_seed = 0
@@ -127,20 +131,20 @@ async def run_process(settings: Settings, player: Player, progress: bool = True)
                 pending.append(asyncio.create_task(play_deal(player, seeds[next_seed], g, limiter)))
                 next_seed += 1
             for result in await pending.pop(0):
-                episodes += len(result.episodes)
+                # step groups carry per-answer metadata, not Episode records
+                episodes += len(result.episodes) if result.episodes else len((result.group or {}).get("scores", []))
                 failed += sum(ep.failed for ep in result.episodes)
                 if result.group is None:
                     dropped[result.dropped or "?"] = dropped.get(result.dropped or "?", 0) + 1
                 else:
                     fh.write(json.dumps(result.group, separators=(",", ":")) + "\n")
+                    view.add(result.group)
                     written += 1
             fh.flush()
             bar.update(1)
             bar.set_postfix(written=written, failed_eps=failed)
     bar.close()
-    from .report.dataset import write_dataset_view
-
-    html = write_dataset_view(path, out / "groups.html", player.chat.backend)
+    html = view.close()
     return ProcessSummary(written, dropped, episodes, failed, path, html, time.perf_counter() - t0)
 
 
@@ -157,11 +161,17 @@ async def run_evaluate(settings: Settings, player: Player, progress: bool = True
     metrics["seconds"] = seconds
     metrics["episodes_per_second"] = len(episodes) / seconds if seconds > 0 else None
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    rows = []
+    for ep in episodes:
+        row = ep.summary()
+        row["decisions"] = [d.to_dict() for d in ep.decisions]
+        row["messages"] = ep.messages
+        rows.append(row)
     if settings.evaluate.samples:
         with (out / "samples.jsonl").open("w", encoding="utf-8") as fh:
-            for ep in episodes:
-                row = ep.summary()
-                row["decisions"] = [d.to_dict() for d in ep.decisions]
-                row["messages"] = ep.messages
+            for row in rows:
                 fh.write(json.dumps(row) + "\n")
+    from .report.evaluation import write_report
+
+    write_report(out / "report.html", metrics, rows, player.solution)
     return metrics
