@@ -171,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drain-timeout", type=float, help="on SIGTERM, seconds to finish groups in flight (default 60)")
     g.add_argument("--wandb-project", help="also log metrics to Weights & Biases (pip install 'blackjack-rl[wandb]')")
 
+    p = sub.add_parser("compare", help="compare evaluation runs deal by deal",
+                       description="Compare evaluation runs (folders written by `evaluate`) against the first one. "
+                                   "All runs play the same fixed deals, so differences are paired by seed, with 95% "
+                                   "confidence intervals. Prints a table and writes OUT/compare.html and OUT/compare.json.")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="evaluation folders; the first is the baseline")
+    p.add_argument("--out", metavar="DIR", default="runs/compare", help="where to write the page (default runs/compare)")
+
     sub.add_parser("api", help="run the trajectory API (Atropos-compatible)", add_help=False,
                    description="Run the trajectory API; see `blackjack-rl api --help`.")
     return parser
@@ -244,8 +251,23 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     metrics = asyncio.run(main())
     print_metrics(metrics, console)
     console.print(f"Metrics in [bold]{settings.out}/metrics.json[/bold]"
-                  + (f", every episode in [bold]{settings.out}/samples.jsonl[/bold]" if settings.evaluate.samples else ""))
+                  + (f", every episode in [bold]{settings.out}/samples.jsonl[/bold]" if settings.evaluate.samples else "")
+                  + f"; the report is [bold]{settings.out}/report.html[/bold]")
     return 0 if metrics["episodes_failed"] == 0 else 3
+
+
+def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
+    from .compare import compare_runs
+    from .report.comparison import write_comparison
+    from .report.console import print_comparison
+    from .report.runs import load_runs
+
+    runs = load_runs(args.runs)
+    comparisons = compare_runs(runs)
+    print_comparison(runs, comparisons, console)
+    html, _ = write_comparison(args.out, runs, comparisons)
+    console.print(f"Side by side in [bold]{html}[/bold]")
+    return 0
 
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
@@ -286,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     console = Console(stderr=False)
-    handlers = {"solve": _cmd_solve, "process": _cmd_process, "evaluate": _cmd_evaluate, "serve": _cmd_serve}
+    handlers = {"solve": _cmd_solve, "process": _cmd_process, "evaluate": _cmd_evaluate, "serve": _cmd_serve,
+                "compare": _cmd_compare}
     try:
         return handlers[args.command](args, console)
     except (ValidationError, ValueError, FileNotFoundError, *ApiError) as exc:

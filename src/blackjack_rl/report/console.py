@@ -63,7 +63,10 @@ def _pct(r: dict[str, Any]) -> str:
 def print_metrics(m: dict[str, Any], console: Console) -> None:
     policy = m["policy"]
     name = policy.get("model") or policy.get("policy")
-    mode = " (grammar-constrained)" if policy.get("constrained") else ""
+    mode = ""
+    if policy.get("constrained"):
+        server_mode = policy.get("structured_output")
+        mode = f" (constrained: {server_mode})" if server_mode else " (grammar-constrained)"
     t = RichTable(title=f"Evaluation of {name}{mode}: {m['episodes']} fixed deals")
     t.add_column("metric")
     t.add_column("value (95% CI)", justify="right")
@@ -91,3 +94,41 @@ def print_metrics(m: dict[str, Any], console: Console) -> None:
     if m["episodes_failed"]:
         console.print(f"[red]{m['episodes_failed']} episodes failed (no answer from the model): "
                       f"{m['failure_examples'][:1]}[/red]")
+
+
+def print_comparison(runs: list[Any], comparisons: list[Any], console: Console) -> None:
+    """Runs side by side, then every run against the first, paired by seed."""
+    from ..compare import QUANTITIES, verdict
+    from .modes import short_mode
+
+    t = RichTable(title="Evaluation runs")
+    for col in ("run", "decoding", "deals", "mean reward (95% CI)", "win", "invalid", "decision accuracy"):
+        t.add_column(col, justify="left" if col in ("run", "decoding") else "right")
+    for r in runs:
+        m = r.metrics
+        mr = m["mean_reward"]
+        reward = "-" if mr["mean"] is None else f"{mr['mean']:+.4f}  [{mr['ci95_low']:+.4f}, {mr['ci95_high']:+.4f}]"
+        t.add_row(r.name, short_mode(m.get("policy") or {}), str(m["episodes"]), reward,
+                  _pct(m["win"]).split()[0], _pct(m["invalid"]).split()[0], _pct(m["decision_accuracy"]).split()[0])
+    console.print(t)
+    quantities = {q.key: q for q in QUANTITIES}
+    for c in comparisons:
+        t = RichTable(title=f"{c.b} − {c.a}, paired over {c.pairs} shared deals")
+        for col in ("quantity", "difference", "95% CI", "B better / A better / equal", ""):
+            t.add_column(col, justify="left" if col in ("quantity", "") else "right")
+        for key, p in c.differences.items():
+            q = quantities[key]
+            if q.percent:
+                diff, ci = f"{p.mean * 100:+.2f} pts", f"[{p.ci95_low * 100:+.2f}, {p.ci95_high * 100:+.2f}]"
+            else:
+                diff, ci = f"{p.mean:+.4f}", f"[{p.ci95_low:+.4f}, {p.ci95_high:+.4f}]"
+            good = p.significant and (p.mean > 0) == q.higher_is_better
+            mark = "[green]B better[/green]" if good else "[red]B worse[/red]" if p.significant else "luck"
+            t.add_row(q.label, diff, ci, f"{p.b_better} / {p.a_better} / {p.ties}", mark)
+        console.print(t)
+        for key in ("score", "expected"):
+            if key in c.differences:
+                console.print(verdict(c.differences[key], quantities[key], c.a, c.b))
+        if c.only_a or c.only_b or c.failed:
+            console.print(f"[yellow]left out: {c.only_a} deals only in {c.a}, {c.only_b} only in {c.b}, "
+                          f"{c.failed} with a failed episode[/yellow]")

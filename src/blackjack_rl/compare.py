@@ -1,0 +1,278 @@
+"""Evaluation runs compared pair by pair on the deals they share.
+
+Every evaluation plays the same fixed seeds, so episode i of run A and episode i of
+run B start from the same cards. Differencing per seed removes the luck of the deal
+that both runs share, which is most of the per-episode variance (sd ~0.95): a small
+real improvement then stands out from noise with far fewer episodes than comparing
+two independent means. Nothing here reads files; `report.runs` loads the runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+Z95 = 1.959963984540054
+
+Row = dict[str, Any]
+
+
+@dataclass
+class Run:
+    """One evaluation run: its metrics.json and its episodes (samples.jsonl rows)."""
+
+    name: str
+    metrics: dict[str, Any]
+    rows: list[Row]
+
+
+@dataclass(frozen=True)
+class Paired:
+    """A paired difference, B minus A, over the seeds both runs played."""
+
+    mean: float | None
+    ci95_low: float | None
+    ci95_high: float | None
+    stderr: float | None
+    n: int
+    b_better: int  # pairs where B scored higher
+    a_better: int
+    ties: int
+    mean_a: float | None = None
+    mean_b: float | None = None
+
+    @property
+    def significant(self) -> bool:
+        """The 95% interval excludes zero: the difference is unlikely to be luck."""
+        return self.ci95_low is not None and (self.ci95_low > 0 or self.ci95_high < 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mean": self.mean, "ci95_low": self.ci95_low, "ci95_high": self.ci95_high, "stderr": self.stderr,
+            "n": self.n, "b_better": self.b_better, "a_better": self.a_better, "ties": self.ties,
+            "mean_a": self.mean_a, "mean_b": self.mean_b, "significant": self.significant,
+        }
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> Paired:
+    """Mean of b - a with a normal 95% interval (n is in the hundreds or more here)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired samples must have equal length, got {len(a)} and {len(b)}")
+    n = len(a)
+    if n == 0:
+        return Paired(None, None, None, None, 0, 0, 0, 0)
+    diffs = [y - x for x, y in zip(a, b)]
+    mean = math.fsum(diffs) / n
+    var = math.fsum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    se = math.sqrt(var / n)
+    return Paired(
+        mean, mean - Z95 * se, mean + Z95 * se, se, n,
+        b_better=sum(d > 0 for d in diffs), a_better=sum(d < 0 for d in diffs), ties=sum(d == 0 for d in diffs),
+        mean_a=math.fsum(a) / n, mean_b=math.fsum(b) / n,
+    )
+
+
+# --- per-episode quantities -------------------------------------------------------------
+
+def _score(row: Row) -> float | None:
+    return row.get("score")
+
+
+def _outcome_reward(row: Row) -> float | None:
+    scores = row.get("scores") or {}
+    if "outcome" in scores:
+        return scores["outcome"]
+    return row.get("score")
+
+
+def _expected(row: Row) -> float | None:
+    """V*(s0) minus the regret of the decisions taken: the worth of the play without the luck
+    of the later cards (an unbiased estimate of the policy's value from this deal)."""
+    scores = row.get("scores") or {}
+    if "expected" in scores:
+        return scores["expected"]
+    return None
+
+
+def _win(row: Row) -> float | None:
+    return float(row.get("outcome") == "win")
+
+
+def _loss(row: Row) -> float | None:
+    return float(row.get("outcome") == "loss")
+
+
+def _invalid(row: Row) -> float | None:
+    return float(row.get("status") in ("invalid", "truncated"))
+
+
+def _first_decision(row: Row) -> dict[str, Any] | None:
+    decisions = row.get("decisions") or []
+    return decisions[0] if decisions else None
+
+
+def _first_correct(row: Row) -> float | None:
+    """The first decision of a deal is taken in the same state by every run, so it pairs exactly."""
+    d = _first_decision(row)
+    return None if d is None else float(d.get("action") == d.get("optimal"))
+
+
+def _first_regret(row: Row) -> float | None:
+    d = _first_decision(row)
+    if d is None:
+        return None
+    return d["regret"] if d.get("regret") is not None else None
+
+
+@dataclass(frozen=True)
+class Quantity:
+    key: str
+    label: str
+    of: Callable[[Row], float | None]
+    higher_is_better: bool = True
+    percent: bool = False
+
+
+QUANTITIES: tuple[Quantity, ...] = (
+    Quantity("score", "mean score (invalid counts as its penalty)", _score),
+    Quantity("expected", "expected return of the decisions (luck of the cards removed)", _expected),
+    Quantity("outcome", "game reward", _outcome_reward),
+    Quantity("win", "win rate", _win, percent=True),
+    Quantity("loss", "loss rate", _loss, higher_is_better=False, percent=True),
+    Quantity("invalid", "invalid answers", _invalid, higher_is_better=False, percent=True),
+    Quantity("first_correct", "first decision optimal (same state in both runs)", _first_correct, percent=True),
+    Quantity("first_regret", "first decision regret", _first_regret, higher_is_better=False),
+)
+
+
+@dataclass
+class Pairing:
+    """Which episodes line up: played (not failed) in both runs, on the same seed."""
+
+    seeds: list[int]
+    a: list[Row]
+    b: list[Row]
+    only_a: int = 0
+    only_b: int = 0
+    failed: int = 0  # seeds dropped because an episode failed in either run
+
+
+def pair_by_seed(a_rows: Iterable[Row], b_rows: Iterable[Row]) -> Pairing:
+    by_seed_a = {r["seed"]: r for r in a_rows}
+    by_seed_b = {r["seed"]: r for r in b_rows}
+    common = sorted(by_seed_a.keys() & by_seed_b.keys())
+    ok = [s for s in common if by_seed_a[s].get("status") != "failed" and by_seed_b[s].get("status") != "failed"]
+    return Pairing(
+        seeds=ok,
+        a=[by_seed_a[s] for s in ok],
+        b=[by_seed_b[s] for s in ok],
+        only_a=len(by_seed_a.keys() - by_seed_b.keys()),
+        only_b=len(by_seed_b.keys() - by_seed_a.keys()),
+        failed=len(common) - len(ok),
+    )
+
+
+@dataclass
+class Comparison:
+    """Run B against baseline run A."""
+
+    a: str
+    b: str
+    pairs: int
+    only_a: int
+    only_b: int
+    failed: int
+    differences: dict[str, Paired] = field(default_factory=dict)
+    state_differences: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "a": self.a, "b": self.b, "pairs": self.pairs, "only_a": self.only_a, "only_b": self.only_b,
+            "failed": self.failed,
+            "differences": {k: v.to_dict() for k, v in self.differences.items()},
+            "state_differences": self.state_differences,
+        }
+
+
+def check_comparable(runs: Sequence[Run]) -> None:
+    """Runs on different rules play different games: pairing them would be meaningless."""
+    if len(runs) < 2:
+        raise ValueError("compare needs at least two runs: blackjack-rl compare RUN_A RUN_B [RUN_C ...]")
+    rules = [r.metrics.get("rules") for r in runs]
+    for run, r in zip(runs[1:], rules[1:]):
+        if r != rules[0]:
+            raise ValueError(
+                f"{run.name} was played under rules {r} but {runs[0].name} under {rules[0]}; "
+                "compare runs evaluated with the same --natural/--sab flags"
+            )
+    first = runs[0].metrics.get("seeds", {}).get("first")
+    for run in runs[1:]:
+        if run.metrics.get("seeds", {}).get("first") != first:
+            raise ValueError(f"{run.name} and {runs[0].name} were evaluated on different seed sets; "
+                             "re-run both with the current `blackjack-rl evaluate`")
+
+
+def compare_pair(a: Run, b: Run) -> Comparison:
+    pairing = pair_by_seed(a.rows, b.rows)
+    result = Comparison(a.name, b.name, len(pairing.seeds), pairing.only_a, pairing.only_b, pairing.failed)
+    for q in QUANTITIES:
+        xs, ys = [], []
+        for ra, rb in zip(pairing.a, pairing.b):
+            x, y = q.of(ra), q.of(rb)
+            if x is not None and y is not None:
+                xs.append(float(x))
+                ys.append(float(y))
+        if xs:
+            result.differences[q.key] = paired_difference(xs, ys)
+    result.state_differences = strategy_differences(a.rows, b.rows)
+    return result
+
+
+def compare_runs(runs: Sequence[Run]) -> list[Comparison]:
+    """Every run against the first one (the baseline)."""
+    check_comparable(runs)
+    return [compare_pair(runs[0], other) for other in runs[1:]]
+
+
+def strategy_differences(a_rows: Iterable[Row], b_rows: Iterable[Row], min_visits: int = 5) -> list[dict[str, Any]]:
+    """States where the two runs hit at clearly different rates, largest gap first.
+
+    Decisions after the first are taken in states that depend on earlier choices, so this
+    is descriptive (where the strategies differ), not a paired test.
+    """
+    def rates(rows: Iterable[Row]) -> dict[tuple[int, int, int], tuple[int, int]]:
+        out: dict[tuple[int, int, int], list[int]] = {}
+        for row in rows:
+            for d in row.get("decisions") or []:
+                if d.get("action") is None:
+                    continue
+                key = tuple(d["state"])
+                c = out.setdefault(key, [0, 0])
+                c[0] += d["action"] == "hit"
+                c[1] += 1
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    ra, rb = rates(a_rows), rates(b_rows)
+    diffs = []
+    for key in ra.keys() & rb.keys():
+        (ha, na), (hb, nb) = ra[key], rb[key]
+        if na < min_visits or nb < min_visits:
+            continue
+        gap = hb / nb - ha / na
+        if abs(gap) >= 0.2:
+            diffs.append({"state": list(key), "hit_a": ha / na, "hit_b": hb / nb, "n_a": na, "n_b": nb, "gap": gap})
+    diffs.sort(key=lambda d: (-abs(d["gap"]), d["state"]))
+    return diffs
+
+
+def verdict(p: Paired, q: Quantity, a: str, b: str) -> str:
+    """One sentence a person can act on."""
+    if p.mean is None:
+        return "no paired episodes"
+    fmt = (lambda v: f"{v * 100:+.2f} points") if q.percent else (lambda v: f"{v:+.4f}")
+    span = f"{fmt(p.mean)} (95% CI {fmt(p.ci95_low)} to {fmt(p.ci95_high)}, {p.n} pairs)"
+    if not p.significant:
+        return f"{b} vs {a}: {span}: not distinguishable from luck"
+    better = (p.mean > 0) == q.higher_is_better
+    return f"{b} vs {a}: {span}: {b} is {'better' if better else 'worse'}"

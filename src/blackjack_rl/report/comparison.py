@@ -1,0 +1,82 @@
+"""The comparison page (`blackjack-rl compare`): runs side by side, differences paired by seed."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..compare import QUANTITIES, Comparison, Run, verdict
+from . import plots
+from .modes import decoding_mode
+
+HEADLINE = ("score", "expected")  # the quantities the verdicts and the plot are about
+
+
+def comparison_json(runs: Sequence[Run], comparisons: Sequence[Comparison]) -> dict[str, Any]:
+    return {
+        "runs": [{"name": r.name, "policy": r.metrics.get("policy"), "episodes": r.metrics.get("episodes"),
+                  "mean_reward": r.metrics.get("mean_reward")} for r in runs],
+        "baseline": runs[0].name,
+        "comparisons": [c.to_dict() for c in comparisons],
+    }
+
+
+def _forest_items(comparisons: Sequence[Comparison]) -> list[dict[str, Any]]:
+    items = []
+    quantities = {q.key: q for q in QUANTITIES}
+    for c in comparisons:
+        for key in HEADLINE:
+            p = c.differences.get(key)
+            if p is None or p.mean is None:
+                continue
+            q = quantities[key]
+            items.append({"label": f"{c.b} − {c.a}: {'score' if key == 'score' else 'expected (no luck)'}",
+                          "mean": p.mean, "low": p.ci95_low, "high": p.ci95_high, "significant": p.significant,
+                          "good": p.significant and (p.mean > 0) == q.higher_is_better})
+    return items
+
+
+def comparison_context(runs: Sequence[Run], comparisons: Sequence[Comparison]) -> dict[str, Any]:
+    rows = []
+    for r in runs:
+        params = r.metrics.get("policy") or {}
+        rows.append({"name": r.name, "m": r.metrics, "mode": decoding_mode(params),
+                     "policy": params.get("model") or params.get("policy")})
+    blocks = []
+    for c in comparisons:
+        diffs = []
+        for q in QUANTITIES:
+            p = c.differences.get(q.key)
+            if p is None:
+                continue
+            diffs.append({"q": q, "p": p, "better": p.significant and (p.mean > 0) == q.higher_is_better,
+                          "worse": p.significant and (p.mean > 0) != q.higher_is_better})
+        verdicts = [verdict(c.differences[q.key], q, c.a, c.b) for q in QUANTITIES
+                    if q.key in HEADLINE and q.key in c.differences]
+        blocks.append({"c": c, "diffs": diffs, "verdicts": verdicts})
+    items = _forest_items(comparisons)
+    return {
+        "title": "Comparison: " + " vs ".join(r.name for r in runs),
+        "runs": rows,
+        "blocks": blocks,
+        "forest_svg": plots.paired_forest(items) if items else "",
+        "generated": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "baseline": runs[0].name,
+    }
+
+
+def render_comparison(runs: Sequence[Run], comparisons: Sequence[Comparison]) -> str:
+    from .html import environment
+
+    return environment().get_template("compare.html.jinja").render(**comparison_context(runs, comparisons))
+
+
+def write_comparison(out: Path, runs: Sequence[Run], comparisons: Sequence[Comparison]) -> tuple[Path, Path]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    html, data = out / "compare.html", out / "compare.json"
+    html.write_text(render_comparison(runs, comparisons), encoding="utf-8")
+    data.write_text(json.dumps(comparison_json(runs, comparisons), indent=2) + "\n", encoding="utf-8")
+    return html, data

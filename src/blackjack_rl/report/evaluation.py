@@ -1,0 +1,113 @@
+"""The evaluation report: one self-contained HTML page per `evaluate` run (OUT/report.html).
+
+Written for someone who never saw the project: what was measured, how it compares with
+exact optimal play and the simple baselines, where the strategy differs from the
+optimal chart and which mistakes cost the most, and real episodes to look at.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..solver import Solution, solve
+from . import plots
+from .episodes import compact, invalid_examples, sample
+from .html import accuracy_colour, cost_colour, environment, hit_colour
+from .modes import decoding_mode
+from .strategy import chart, costliest, state_stats
+
+EPISODE_SAMPLE = 400
+
+
+def run_name(metrics: dict[str, Any]) -> str:
+    policy = metrics.get("policy") or {}
+    return str(policy.get("model") or policy.get("policy") or "unknown policy")
+
+
+def reading(metrics: dict[str, Any]) -> str:
+    """Where the mean reward sits among the baselines, taking its interval into account."""
+    mr = metrics["mean_reward"]
+    if mr.get("mean") is None:
+        return "No episode finished, so there is no mean reward to compare."
+    low, high = mr["ci95_low"], mr["ci95_high"]
+    ref = metrics["reference"]
+    parts = []
+    for name, label in (("optimal", "optimal play"), ("always_stick", "always sticking"), ("random", "uniform random play")):
+        v = ref[name]["value"]
+        if high < v:
+            parts.append(f"below {label} ({v:+.4f})")
+        elif low > v:
+            parts.append(f"above {label} ({v:+.4f})")
+        else:
+            parts.append(f"not distinguishable from {label} ({v:+.4f})")
+    n = metrics["episodes_played"]
+    return (f"Mean reward {mr['mean']:+.4f} (95% CI {low:+.4f} to {high:+.4f}, {n} deals): "
+            + "; ".join(parts) + ".")
+
+
+def report_context(metrics: dict[str, Any], rows: list[dict[str, Any]], solution: Solution) -> dict[str, Any]:
+    stats, episodes = state_stats(rows)
+    hard = chart(stats, solution, episodes, soft=False)
+    soft = chart(stats, solution, episodes, soft=True)
+    cells = [c for grid in (hard, soft) for row in grid for c in row]
+    worst = max((c.cost_per_hand for c in cells), default=0.0)
+    max_decisions = max((c.decisions for c in cells), default=0) or 1
+    ref = metrics["reference"]
+    mr = metrics["mean_reward"]
+    name = run_name(metrics)
+    n = metrics["episodes_played"] or 1
+    invalid_share = metrics["invalid"]["rate"] or 0.0
+    outcome_rows = [(name, {"win": metrics["win"]["rate"] or 0.0, "draw": metrics["draw"]["rate"] or 0.0,
+                            "loss": metrics["loss"]["rate"] or 0.0, "invalid": invalid_share})]
+    for key, label in (("optimal", "optimal"), ("always_stick", "always stick"), ("random", "uniform random")):
+        outcome_rows.append((label, {"win": ref[key]["win"], "draw": ref[key]["draw"], "loss": ref[key]["loss"]}))
+    system_prompts: list[str] = []
+    browsable = [compact(r, system_prompts) for r in sample(rows, EPISODE_SAMPLE)]
+    params = metrics.get("policy") or {}
+    return {
+        "title": f"How {name} plays Blackjack",
+        "name": name,
+        "m": metrics,
+        "mode": decoding_mode(params),
+        "params_json": json.dumps(params, indent=1),
+        "rules_text": solution.rules.describe(),
+        "generated": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "reading": reading(metrics),
+        "reward_svg": plots.reward_vs_baselines(
+            mr.get("mean"), mr.get("ci95_low"), mr.get("ci95_high"),
+            {"optimal": ref["optimal"]["value"], "always_stick": ref["always_stick"]["value"],
+             "random": ref["random"]["value"]}, name),
+        "outcome_svg": plots.outcome_bars(outcome_rows),
+        "charts": [("Hard hands", "hard", hard), ("Soft hands (an ace counted as 11)", "soft", soft)],
+        "hit_colour": hit_colour,
+        "accuracy_colour": accuracy_colour,
+        "cost_colour": lambda c: cost_colour(c, worst),
+        "max_decisions": max_decisions,
+        "worst_cost": worst,
+        "costliest": costliest(cells),
+        "invalid_examples": invalid_examples(rows),
+        "episodes_json": {"system": system_prompts, "episodes": browsable},
+        "sample_size": len(browsable),
+        "n": n,
+    }
+
+
+def render_report(metrics: dict[str, Any], rows: Iterable[dict[str, Any]], solution: Solution | None = None) -> str:
+    rows = list(rows)
+    if solution is None:
+        from ..game import Rules
+
+        solution = solve(Rules(**metrics["rules"]))
+    return environment().get_template("report.html.jinja").render(**report_context(metrics, rows, solution))
+
+
+def write_report(path: Path, metrics: dict[str, Any], rows: Iterable[dict[str, Any]],
+                 solution: Solution | None = None) -> Path:
+    path = Path(path)
+    tmp = path.with_suffix(".html.tmp")
+    tmp.write_text(render_report(metrics, rows, solution), encoding="utf-8")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,72 @@
+"""What every page shares: the template environment, number formats, colours, JSON for scripts."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from jinja2 import Environment, PackageLoader, select_autoescape
+
+
+def environment() -> Environment:
+    env = Environment(loader=PackageLoader("blackjack_rl", "report/templates"),
+                      autoescape=select_autoescape(default=True, default_for_string=True))
+    env.filters.update(pct=pct, signed=signed, num=num, script_json=script_json)
+    return env
+
+
+def pct(v: float | None, digits: int = 1) -> str:
+    return "–" if v is None else f"{v * 100:.{digits}f}%"
+
+
+def signed(v: float | None, digits: int = 4) -> str:
+    return "–" if v is None else f"{v:+.{digits}f}"
+
+
+def num(v: float | None, digits: int = 4) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def script_json(value: Any) -> str:
+    """JSON safe inside <script type="application/json">: no early `</script>`, no NaN."""
+    text = json.dumps(value, separators=(",", ":"), allow_nan=False, default=_plain)
+    return text.replace("</", "<\\/").replace("<!--", "<\\!--")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)
+
+
+def mix(c1: str, c2: str, t: float) -> str:
+    """Linear blend of two #rrggbb colours, t in [0, 1]."""
+    t = min(1.0, max(0.0, t))
+    a = [int(c1[i:i + 2], 16) for i in (1, 3, 5)]
+    b = [int(c2[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(x + (y - x) * t):02x}" for x, y in zip(a, b))
+
+
+STICK_COLOUR, HIT_COLOUR, NEUTRAL = "#81c784", "#e57373", "#f5f5f5"
+
+
+def hit_colour(hit_rate: float | None) -> str:
+    """Green when the model sticks, red when it hits, pale in between."""
+    if hit_rate is None:
+        return "#ffffff"
+    if hit_rate < 0.5:
+        return mix(STICK_COLOUR, NEUTRAL, hit_rate * 2)
+    return mix(NEUTRAL, HIT_COLOUR, (hit_rate - 0.5) * 2)
+
+
+def accuracy_colour(acc: float | None) -> str:
+    if acc is None:
+        return "#ffffff"
+    return mix("#e53935", "#c8e6c9", acc) if acc < 1 else "#a5d6a7"
+
+
+def cost_colour(cost: float, worst: float) -> str:
+    if worst <= 0 or cost <= 0:
+        return "#fafafa"
+    return mix("#fff3e0", "#b71c1c", math.sqrt(cost / worst))

@@ -1,0 +1,32 @@
+"""How the answers were produced, in words: a constrained run cannot write an invalid call,
+so its numbers mean something different from an unconstrained one and every page says which."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SERVER_MODES = {
+    "json_schema": "structured output (response_format json_schema)",
+    "json_object": "structured output (response_format json_object with a schema)",
+    "structured_outputs": "structured output (vLLM structured_outputs.json)",
+    "guided_json": "structured output (vLLM guided_json)",
+    "tool_choice": "forced tool call (tool_choice take_action)",
+}
+
+
+def decoding_mode(params: dict[str, Any]) -> dict[str, str]:
+    """{"kind": "constrained" | "unconstrained" | "scripted", "text": ...} for a run's generation_params."""
+    policy = str(params.get("policy") or "")
+    if policy not in ("embedded", "openai"):
+        return {"kind": "scripted", "text": f"scripted bot ({policy or 'unknown'}): no model, no sampling"}
+    if policy == "embedded" and params.get("constrained"):
+        return {"kind": "constrained", "text": "constrained decoding: GBNF grammar in llama.cpp (every answer is a valid call)"}
+    mode = params.get("structured_output")
+    if policy == "openai" and params.get("constrained") and mode:
+        return {"kind": "constrained", "text": f"constrained decoding: {_SERVER_MODES.get(mode, mode)}"}
+    return {"kind": "unconstrained", "text": "unconstrained sampling: the model writes its call freely"}
+
+
+def short_mode(params: dict[str, Any]) -> str:
+    kind = decoding_mode(params)["kind"]
+    return {"constrained": "constrained", "unconstrained": "unconstrained", "scripted": "scripted"}[kind]

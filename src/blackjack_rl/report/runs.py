@@ -1,0 +1,38 @@
+"""Reading evaluation runs back from their folders (metrics.json + samples.jsonl)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from ..compare import Run
+
+
+def load_run(folder: str | Path, name: str | None = None) -> Run:
+    folder = Path(folder)
+    metrics_path, samples_path = folder / "metrics.json", folder / "samples.jsonl"
+    if not metrics_path.is_file():
+        raise FileNotFoundError(f"{folder} is not an evaluation run (no metrics.json): "
+                                f"create one with `blackjack-rl evaluate --out {folder}`")
+    if not samples_path.is_file():
+        raise FileNotFoundError(f"{folder} has no samples.jsonl: runs are compared episode by episode, "
+                                "so evaluate them without --no-samples")
+    metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
+    rows = []
+    with samples_path.open(encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError as exc:
+                raise ValueError(f"{samples_path}:{number} is not valid JSON ({exc}); was the run interrupted?") from exc
+    return Run(name or folder.name, metrics, rows)
+
+
+def load_runs(folders: Sequence[str | Path]) -> list[Run]:
+    """Runs named by their folder; by their path where two folders share a name."""
+    paths = [Path(f) for f in folders]
+    names = [p.name for p in paths]
+    return [load_run(p, p.name if names.count(p.name) == 1 else str(p)) for p in paths]
