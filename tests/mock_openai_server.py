@@ -61,6 +61,7 @@ class State:
     log: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
+    unhang: asyncio.Event = field(default_factory=asyncio.Event)  # set on reset: hung requests return
 
 
 def build_app(state: State) -> FastAPI:
@@ -81,7 +82,11 @@ def build_app(state: State) -> FastAPI:
         if not active:
             return None
         if c.hang:
-            await asyncio.sleep(3600)
+            try:
+                await asyncio.wait_for(state.unhang.wait(), 3600)
+            except asyncio.TimeoutError:
+                pass
+            return JSONResponse({"error": {"message": "released after hanging"}}, status_code=503)
         if c.status:
             return JSONResponse({"error": {"message": "injected failure", "code": c.status}}, status_code=c.status)
         if c.malformed:
@@ -162,6 +167,9 @@ def build_app(state: State) -> FastAPI:
         body = await request.json()
         if body.pop("reset", False):
             state.control = Control()
+            state.unhang.set()
+            state.unhang = asyncio.Event()
+            await asyncio.sleep(0.01)  # let released requests finish before counting again
             state.requests.clear()
             state.log.clear()
             state.max_in_flight = 0

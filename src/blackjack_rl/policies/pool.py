@@ -171,9 +171,9 @@ class ServerPool:
             try:
                 response = await server.client.post(path, content=content, headers=_JSON_HEADERS)
             except httpx.TimeoutException as exc:
-                last_error = f"{server.url}{path}: timed out after {self.timeout:g}s ({type(exc).__name__})"
+                last_error = f"{server.root}{path}: timed out after {self.timeout:g}s ({type(exc).__name__})"
             except httpx.TransportError as exc:
-                last_error = f"{server.url}{path}: {type(exc).__name__}: {exc or 'connection failed'}"
+                last_error = f"{server.root}{path}: {type(exc).__name__}: {exc or 'connection failed'}"
             else:
                 status = response.status_code
                 if status < 400:
@@ -182,18 +182,18 @@ class ServerPool:
                     except ValueError:
                         self._failed(server, f"invalid JSON from {path}")
                         raise InferenceError(
-                            f"{server.url}{path} answered HTTP {status} with invalid JSON: {response.text[:200]!r}"
+                            f"{server.root}{path} answered HTTP {status} with invalid JSON: {response.text[:200]!r}"
                         ) from None
                     self._succeeded(server)
                     return data
                 if status < 500 and status != 408:
                     self._succeeded(server)  # the server is fine; the request is wrong
                     raise InferenceError(
-                        f"{server.url}{path} refused the request: HTTP {status}: {response.text[:300]}. "
+                        f"{server.root}{path} refused the request: HTTP {status}: {response.text[:300]}. "
                         "Client errors are not retried: check the model name, the server's API "
                         "(--server-api) and the sampling parameters."
                     )
-                last_error = f"{server.url}{path}: HTTP {status}: {response.text[:200]}"
+                last_error = f"{server.root}{path}: HTTP {status}: {response.text[:200]}"
             finally:
                 self._release(server)
             self._failed(server, last_error)
