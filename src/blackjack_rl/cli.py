@@ -33,6 +33,7 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "retries": ("policy", "retries"),
     "native_tools": ("policy", "native_tools"),
     "constrained": ("policy", "constrained"),
+    "structured_output": ("policy", "structured_output"),
     "threshold": ("policy", "threshold"),
     "threads": ("policy", "n_threads"),
     "natural": ("game", "natural"),
@@ -91,7 +92,13 @@ def _add_play(p: argparse.ArgumentParser) -> None:
     g.add_argument("--retries", type=int, help="retries on timeouts and 5xx (default 2)")
     g.add_argument("--native-tools", action="store_true", default=None, help="send the tool schema as `tools`")
     g.add_argument("--constrained", action="store_true", default=None,
-                   help="grammar-constrained decoding (embedded): every answer is a valid call")
+                   help="constrained decoding, every answer a valid call: a GBNF grammar (embedded) or the "
+                        "server's structured output (openai, see --structured-output); for play and evaluation")
+    g.add_argument("--structured-output",
+                   choices=["json_schema", "json_object", "structured_outputs", "guided_json", "tool_choice"],
+                   help="how --constrained asks a chat server (default json_schema: OpenAI, vLLM, SGLang, "
+                        "llama-server; json_object: llama-cpp-python's server; structured_outputs / guided_json: "
+                        "vLLM new / old; tool_choice: a forced tool call)")
     g.add_argument("--threshold", type=int, help="the threshold bot hits below this sum (default 17)")
     g.add_argument("--threads", type=int, help="llama.cpp threads (default: all cores)")
     g = p.add_argument_group("episodes")

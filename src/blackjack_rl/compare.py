@@ -36,7 +36,7 @@ class Paired:
     ci95_high: float | None
     stderr: float | None
     n: int
-    b_better: int  # pairs where B scored higher
+    b_better: int  # pairs where B's value is higher (better only where higher is better)
     a_better: int
     ties: int
     mean_a: float | None = None
@@ -132,17 +132,21 @@ class Quantity:
     of: Callable[[Row], float | None]
     higher_is_better: bool = True
     percent: bool = False
+    short: str = ""
 
 
 QUANTITIES: tuple[Quantity, ...] = (
-    Quantity("score", "mean score (invalid counts as its penalty)", _score),
-    Quantity("expected", "expected return of the decisions (luck of the cards removed)", _expected),
-    Quantity("outcome", "game reward", _outcome_reward),
-    Quantity("win", "win rate", _win, percent=True),
-    Quantity("loss", "loss rate", _loss, higher_is_better=False, percent=True),
-    Quantity("invalid", "invalid answers", _invalid, higher_is_better=False, percent=True),
-    Quantity("first_correct", "first decision optimal (same state in both runs)", _first_correct, percent=True),
-    Quantity("first_regret", "first decision regret", _first_regret, higher_is_better=False),
+    Quantity("score", "mean score (an invalid answer scores its penalty)", _score, short="score"),
+    Quantity("expected", "expected return of the decisions (luck of the cards removed)", _expected,
+             short="expected (no luck)"),
+    Quantity("outcome", "game reward", _outcome_reward, short="game reward"),
+    Quantity("win", "win rate", _win, percent=True, short="win rate"),
+    Quantity("loss", "loss rate", _loss, higher_is_better=False, percent=True, short="loss rate"),
+    Quantity("invalid", "invalid answers", _invalid, higher_is_better=False, percent=True, short="invalid"),
+    Quantity("first_correct", "first decision optimal (same state in both runs)", _first_correct, percent=True,
+             short="1st decision optimal"),
+    Quantity("first_regret", "first decision regret", _first_regret, higher_is_better=False,
+             short="1st decision regret"),
 )
 
 
@@ -271,8 +275,10 @@ def verdict(p: Paired, q: Quantity, a: str, b: str) -> str:
     if p.mean is None:
         return "no paired episodes"
     fmt = (lambda v: f"{v * 100:+.2f} points") if q.percent else (lambda v: f"{v:+.4f}")
-    span = f"{fmt(p.mean)} (95% CI {fmt(p.ci95_low)} to {fmt(p.ci95_high)}, {p.n} pairs)"
+    span = f"{q.short or q.label}, {b} − {a}: {fmt(p.mean)} (95% CI {fmt(p.ci95_low)} to {fmt(p.ci95_high)}, {p.n} pairs)"
+    if p.ties == p.n:
+        return f"{span}: identical on every deal"
     if not p.significant:
-        return f"{b} vs {a}: {span}: not distinguishable from luck"
+        return f"{span}: not distinguishable from luck"
     better = (p.mean > 0) == q.higher_is_better
-    return f"{b} vs {a}: {span}: {b} is {'better' if better else 'worse'}"
+    return f"{span}: {b} is {'better' if better else 'worse'}"

@@ -51,6 +51,11 @@ class PolicyConfig(_Section):
     retries: int = Field(2, ge=0, le=10)
     native_tools: bool = Field(False, description="send the tool schema as `tools` (server-side tool parser)")
     constrained: bool = Field(False, description="grammar-constrained decoding: always a valid call (play/eval only)")
+    structured_output: Literal["json_schema", "json_object", "structured_outputs", "guided_json", "tool_choice"] = Field(
+        "json_schema", description="how --constrained asks a chat server for structured output "
+                                   "(json_schema: OpenAI/vLLM/SGLang/llama-server; json_object: llama-cpp-python; "
+                                   "structured_outputs, guided_json: vLLM new/old; tool_choice: forced tool call)"
+    )
     threshold: int = Field(17, ge=2, le=22, description="the threshold bot hits below this sum")
     n_threads: int | None = Field(None, ge=1)
     n_ctx: int | None = Field(None, ge=256, description="llama.cpp context (default: the episode token budget)")

@@ -56,6 +56,7 @@ def build_player(settings: Settings) -> Player:
                 timeout=p.timeout,
                 retries=p.retries,
                 native_tools=p.native_tools,
+                structured_output=p.structured_output if p.constrained else None,
             )
         else:
             from .policies.bots import OptimalBot, RandomBot, ThresholdBot

@@ -14,10 +14,52 @@ from typing import Any
 
 import httpx
 
-from ..protocol import TOOLS
+from ..protocol import ACTION_NAMES, TOOL_NAME, TOOLS
 from .base import InferenceError, Reply, Turn
 
 _RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504}
+
+# The one answer a constrained server may give: a take_action call as a bare JSON object,
+# which the parser accepts as readily as the <tool_call> form.
+CALL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": [TOOL_NAME]},
+        "arguments": {
+            "type": "object",
+            "properties": {"action": {"type": "string", "enum": list(ACTION_NAMES.values())}},
+            "required": ["action"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+}
+
+# How each kind of server is asked for structured output (request fields, from each server's docs).
+STRUCTURED_OUTPUT_MODES = ("json_schema", "json_object", "structured_outputs", "guided_json", "tool_choice")
+
+
+def structured_output_fields(mode: str) -> dict[str, Any]:
+    """Request fields that make a server emit only a valid call.
+
+    json_schema: OpenAI's `response_format` (OpenAI, vLLM, SGLang, llama.cpp's llama-server);
+    json_object: `response_format` type json_object with a `schema` (llama-cpp-python's server);
+    structured_outputs: vLLM >= 0.10 `structured_outputs.json`; guided_json: older vLLM;
+    tool_choice: a forced call of the named tool (needs native tools on the server).
+    """
+    if mode == "json_schema":
+        return {"response_format": {"type": "json_schema",
+                                    "json_schema": {"name": TOOL_NAME, "strict": True, "schema": CALL_SCHEMA}}}
+    if mode == "json_object":
+        return {"response_format": {"type": "json_object", "schema": CALL_SCHEMA}}
+    if mode == "structured_outputs":
+        return {"structured_outputs": {"json": CALL_SCHEMA}}
+    if mode == "guided_json":
+        return {"guided_json": CALL_SCHEMA}
+    if mode == "tool_choice":
+        return {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": TOOL_NAME}}}
+    raise ValueError(f"unknown structured output mode {mode!r}; choose one of {', '.join(STRUCTURED_OUTPUT_MODES)}")
 
 
 class OpenAIChatPolicy:
@@ -37,6 +79,7 @@ class OpenAIChatPolicy:
         native_tools: bool = False,
         extra_body: dict[str, Any] | None = None,
         max_connections: int = 64,
+        structured_output: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -45,6 +88,9 @@ class OpenAIChatPolicy:
         self.retries = retries
         self.native_tools = native_tools
         self.extra_body = extra_body or {}
+        # Constrained decoding for play and evaluation only: it changes what is sampled.
+        self.structured_output = structured_output
+        self._structured = structured_output_fields(structured_output) if structured_output else {}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
@@ -62,6 +108,8 @@ class OpenAIChatPolicy:
             "top_p": self.top_p,
             "max_tokens": self.max_tokens,
             "native_tools": self.native_tools,
+            "constrained": bool(self.structured_output),
+            "structured_output": self.structured_output,
             "logprobs": "unavailable on the chat-completions path (0.0 recorded)",
         }
 
@@ -78,6 +126,7 @@ class OpenAIChatPolicy:
         }
         if self.native_tools:
             body["tools"] = TOOLS
+        body.update(self._structured)
         data = await self._post("/chat/completions", body)
         try:
             choice = data["choices"][0]

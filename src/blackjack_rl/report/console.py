@@ -102,7 +102,7 @@ def print_comparison(runs: list[Any], comparisons: list[Any], console: Console) 
     from .modes import short_mode
 
     t = RichTable(title="Evaluation runs")
-    for col in ("run", "decoding", "deals", "mean reward (95% CI)", "win", "invalid", "decision accuracy"):
+    for col in ("run", "decoding", "deals", "mean reward (95% CI)", "win", "invalid", "accuracy"):
         t.add_column(col, justify="left" if col in ("run", "decoding") else "right")
     for r in runs:
         m = r.metrics
@@ -114,7 +114,7 @@ def print_comparison(runs: list[Any], comparisons: list[Any], console: Console) 
     quantities = {q.key: q for q in QUANTITIES}
     for c in comparisons:
         t = RichTable(title=f"{c.b} − {c.a}, paired over {c.pairs} shared deals")
-        for col in ("quantity", "difference", "95% CI", "B better / A better / equal", ""):
+        for col in ("quantity", "B − A", "95% CI", "B higher / A higher / equal", ""):
             t.add_column(col, justify="left" if col in ("quantity", "") else "right")
         for key, p in c.differences.items():
             q = quantities[key]
@@ -123,8 +123,9 @@ def print_comparison(runs: list[Any], comparisons: list[Any], console: Console) 
             else:
                 diff, ci = f"{p.mean:+.4f}", f"[{p.ci95_low:+.4f}, {p.ci95_high:+.4f}]"
             good = p.significant and (p.mean > 0) == q.higher_is_better
-            mark = "[green]B better[/green]" if good else "[red]B worse[/red]" if p.significant else "luck"
-            t.add_row(q.label, diff, ci, f"{p.b_better} / {p.a_better} / {p.ties}", mark)
+            mark = ("[green]B better[/green]" if good else "[red]B worse[/red]" if p.significant
+                    else "same" if p.ties == p.n else "luck")
+            t.add_row(q.short or q.label, diff, ci, f"{p.b_better} / {p.a_better} / {p.ties}", mark)
         console.print(t)
         for key in ("score", "expected"):
             if key in c.differences:
