@@ -1,0 +1,109 @@
+"""Runs compared deal by deal: the pairing logic, and the real command on two bots with a known gap."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from blackjack_rl.compare import Run, check_comparable, compare_pair, pair_by_seed, paired_difference
+from blackjack_rl.game import Rules
+from blackjack_rl.solver import policy_outcome, solve
+
+CLI = [sys.executable, "-m", "blackjack_rl.cli"]
+
+
+def run(*args, check=True):
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def test_paired_difference_is_the_mean_of_per_pair_differences():
+    p = paired_difference([0.0, 1.0, -1.0, 1.0], [1.0, 1.0, 0.0, 0.0])
+    assert p.mean == pytest.approx(0.25) and p.n == 4
+    assert (p.b_better, p.a_better, p.ties) == (2, 1, 1)
+    # sd of the differences [1, 0, 1, -1] is sqrt(11/12); se = sd / 2
+    assert p.stderr == pytest.approx((11 / 12) ** 0.5 / 2)
+    assert p.ci95_low < 0 < p.ci95_high and not p.significant
+    assert paired_difference([0.0] * 50, [1.0] * 50).significant
+    with pytest.raises(ValueError, match="equal length"):
+        paired_difference([1.0], [])
+
+
+def test_pairing_uses_shared_seeds_and_drops_failed_episodes():
+    a = [{"seed": s, "status": "finished", "score": 1.0} for s in (1, 2, 3, 4)]
+    b = [{"seed": s, "status": "failed" if s == 3 else "finished", "score": 0.0} for s in (2, 3, 4, 5, 6)]
+    pairing = pair_by_seed(a, b)
+    assert pairing.seeds == [2, 4] and (pairing.only_a, pairing.only_b, pairing.failed) == (1, 2, 1)
+    c = compare_pair(Run("a", {}, a), Run("b", {}, b))
+    assert c.differences["score"].mean == -1.0 and c.pairs == 2
+
+
+def test_pairing_removes_the_luck_both_runs_share():
+    """Same deals, same outcome on most of them: the paired interval is far tighter than two independent ones."""
+    import random
+
+    from blackjack_rl.evaluate import mean_ci
+
+    rng = random.Random(0)
+    luck = [rng.choice([-1.0, 0.0, 1.0]) for _ in range(2000)]
+    a = [{"seed": i, "status": "finished", "score": x} for i, x in enumerate(luck)]
+    b = [{"seed": i, "status": "finished", "score": x + (1.0 if i % 20 == 0 else 0.0)} for i, x in enumerate(luck)]
+    p = compare_pair(Run("a", {}, a), Run("b", {}, b)).differences["score"]
+    assert p.mean == pytest.approx(0.05) and p.significant
+    se_a, se_b = mean_ci([r["score"] for r in a])["stderr"], mean_ci([r["score"] for r in b])["stderr"]
+    assert p.stderr < (se_a**2 + se_b**2) ** 0.5 / 5
+
+
+def test_runs_on_different_rules_are_refused():
+    a = Run("a", {"rules": {"natural": False, "sab": False}, "seeds": {"first": 1}}, [])
+    b = Run("b", {"rules": {"natural": True, "sab": False}, "seeds": {"first": 1}}, [])
+    with pytest.raises(ValueError, match="same --natural/--sab"):
+        check_comparable([a, b])
+    with pytest.raises(ValueError, match="at least two runs"):
+        check_comparable([a])
+
+
+@pytest.fixture(scope="module")
+def bot_runs(tmp_path_factory):
+    """The optimal bot and the hit-below-17 bot on the same 3000 fixed deals."""
+    root = tmp_path_factory.mktemp("runs")
+    run("evaluate", "--policy", "optimal", "--episodes", "3000", "--out", str(root / "optimal"), "--quiet")
+    run("evaluate", "--policy", "threshold", "--threshold", "17", "--episodes", "3000", "--out",
+        str(root / "threshold17"), "--quiet")
+    return root
+
+
+def test_compare_finds_the_known_gap_between_two_bots(bot_runs):
+    rules = Rules()
+    exact = policy_outcome(rules, lambda s, d, u, n: float(s < 17)).value - solve(rules).value  # about -0.0327
+    out = bot_runs / "cmp"
+    proc = run("compare", str(bot_runs / "optimal"), str(bot_runs / "threshold17"), "--out", str(out))
+    assert "threshold17 is worse" in proc.stdout
+    data = json.loads((out / "compare.json").read_text())
+    assert data["baseline"] == "optimal"
+    diff = data["comparisons"][0]["differences"]
+    score, expected = diff["score"], diff["expected"]
+    # the game outcomes, paired by deal: the sign is right and the interval holds the exact gap
+    assert score["n"] == 3000 and score["significant"] and score["ci95_high"] < 0
+    assert score["ci95_low"] <= exact <= score["ci95_high"]
+    # without the luck of later cards the interval is several times narrower and still holds it
+    assert expected["ci95_low"] <= exact <= expected["ci95_high"] < 0
+    assert expected["ci95_high"] - expected["ci95_low"] < (score["ci95_high"] - score["ci95_low"]) / 4
+    # the first decision is taken in the same state by both bots, so it pairs exactly
+    assert diff["first_correct"]["a_better"] > 0 and diff["first_correct"]["b_better"] == 0
+    states = data["comparisons"][0]["state_differences"]
+    hard16_vs_2 = next(s for s in states if s["state"] == [16, 2, 0])  # optimal sticks, the bot hits
+    assert hard16_vs_2["hit_a"] == 0.0 and hard16_vs_2["hit_b"] == 1.0
+    html = (out / "compare.html").read_text()
+    assert "threshold17 against optimal" in html and 'src="http' not in html
+
+
+def test_compare_explains_what_is_missing(bot_runs, tmp_path):
+    proc = run("compare", str(bot_runs / "optimal"), str(tmp_path), check=False)
+    assert proc.returncode == 2 and "not an evaluation run" in " ".join(proc.stderr.split())
+    (tmp_path / "metrics.json").write_text((bot_runs / "optimal" / "metrics.json").read_text())
+    proc = run("compare", str(bot_runs / "optimal"), str(tmp_path), check=False)
+    assert proc.returncode == 2 and "without --no-samples" in " ".join(proc.stderr.split())
