@@ -234,3 +234,38 @@ def test_groups_through_llama_cpp_python_record_the_chat_path(llama_cpp_python_s
         spans = trained_spans(ep.trajectory.masks)
         for (a, b), answer in zip(spans, answers):
             assert chat.backend.decode(ep.trajectory.tokens[a:b]) == answer + "<|im_end|>"
+
+
+# -- configuration ----------------------------------------------------------------------
+
+
+def test_servers_come_from_repeated_flags_or_yaml(tmp_path, gguf_path):
+    from blackjack_rl.cli import build_parser, settings_from_args
+    from blackjack_rl.config import load_settings
+    from blackjack_rl.policies.openai_chat import OpenAIChatPolicy
+    from blackjack_rl.runner import build_player
+
+    base = ["evaluate", "--policy", "openai", "--model", "m", "--tokenizer", str(gguf_path)]
+    args = build_parser().parse_args(base + ["--server", "http://127.0.0.1:9/v1,3", "--server", "http://127.0.0.1:8/v1",
+                                             "--server-api", "sglang", "--server-concurrency", "7"])
+    policy = build_player(settings_from_args(args)).policy
+    assert isinstance(policy, OpenAICompletionsPolicy) and policy.api.name == "sglang"
+    assert [(s["url"], s["weight"], s["cap"]) for s in policy.pool.snapshot()] == [
+        ("http://127.0.0.1:9/v1", 3.0, 7), ("http://127.0.0.1:8/v1", 1.0, 7)]
+
+    yaml = tmp_path / "settings.yaml"
+    yaml.write_text(
+        "policy:\n  kind: openai\n  model: m\n  token_path: chat\n"
+        f"  tokenizer: {gguf_path}\n"
+        "  servers: ['http://127.0.0.1:9/v1,2', {url: 'http://127.0.0.1:8/v1', max_concurrency: 4}]\n"
+    )
+    policy = build_player(load_settings(yaml)).policy
+    assert policy.token_path == CHAT_PATH
+    assert [(s["url"], s["weight"], s["cap"]) for s in policy.pool.snapshot()] == [
+        ("http://127.0.0.1:9/v1", 2.0, 128), ("http://127.0.0.1:8/v1", 1.0, 4)]
+
+    # no servers and no token path: the single-server chat client, as before
+    assert isinstance(build_player(settings_from_args(build_parser().parse_args(base))).policy, OpenAIChatPolicy)
+
+    with pytest.raises(ValueError, match="URL,WEIGHT"):
+        settings_from_args(build_parser().parse_args(base + ["--server", "http://127.0.0.1:9/v1,heavy"]))

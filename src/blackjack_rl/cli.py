@@ -36,6 +36,10 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "structured_output": ("policy", "structured_output"),
     "threshold": ("policy", "threshold"),
     "threads": ("policy", "n_threads"),
+    "server": ("policy", "servers"),
+    "server_api": ("policy", "server_api"),
+    "token_path": ("policy", "token_path"),
+    "server_concurrency": ("policy", "max_concurrency_per_server"),
     "natural": ("game", "natural"),
     "sab": ("game", "sab"),
     "max_turns": ("game", "max_turns"),
@@ -91,6 +95,13 @@ def _add_play(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, help="seconds per server request (default 60)")
     g.add_argument("--retries", type=int, help="retries on timeouts and 5xx (default 2)")
     g.add_argument("--native-tools", action="store_true", default=None, help="send the tool schema as `tools`")
+    g.add_argument("--server", action="append", metavar="URL[,WEIGHT]",
+                   help="an inference server of a pool (repeat for more); routes to the least-loaded healthy one")
+    g.add_argument("--server-api", choices=["vllm", "sglang", "llamacpp"],
+                   help="how the servers take and return token ids (default vllm)")
+    g.add_argument("--token-path", choices=["auto", "completions", "chat"],
+                   help="token ids via completions, or chat text; auto asks the servers (default with --server)")
+    g.add_argument("--server-concurrency", type=int, help="requests in flight per server (default 128)")
     g.add_argument("--constrained", action="store_true", default=None,
                    help="constrained decoding, every answer a valid call: a GBNF grammar (embedded) or the "
                         "server's structured output (openai, see --structured-output); for play and evaluation")

@@ -33,6 +33,24 @@ class GameConfig(_Section):
         return Rules(natural=self.natural, sab=self.sab)
 
 
+class ServerConfig(_Section):
+    """One inference server of a pool; in YAML a mapping, or the string `URL[,WEIGHT]` like --server."""
+
+    url: str
+    weight: float = Field(1.0, gt=0, description="share of the load relative to the other servers")
+    max_concurrency: int | None = Field(None, ge=1, description="requests in flight at once (default: the pool's)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            from .policies.pool import ServerSpec
+
+            spec = ServerSpec.parse(value)
+            return {"url": spec.url, "weight": spec.weight}
+        return value
+
+
 class PolicyConfig(_Section):
     kind: PolicyKind = "embedded"
     model_path: str | None = Field(None, description="a GGUF for the embedded policy (default: SmolLM2-135M-Instruct)")
@@ -59,6 +77,17 @@ class PolicyConfig(_Section):
     threshold: int = Field(17, ge=2, le=22, description="the threshold bot hits below this sum")
     n_threads: int | None = Field(None, ge=1)
     n_ctx: int | None = Field(None, ge=256, description="llama.cpp context (default: the episode token budget)")
+    servers: list[ServerConfig] = Field(
+        default_factory=list, description="a pool of servers (--server URL[,WEIGHT], repeatable); replaces base_url"
+    )
+    server_api: Literal["vllm", "sglang", "llamacpp"] = Field(
+        "vllm", description="the servers' token-id API: vLLM /v1/completions, SGLang /generate, llama.cpp /completion"
+    )
+    token_path: Literal["auto", "completions", "chat"] | None = Field(
+        None, description="token ids (completions) or chat text; auto asks the servers. Default: auto with servers, "
+                          "else the single-server chat client"
+    )
+    max_concurrency_per_server: int = Field(128, ge=1, description="requests in flight per server")
 
     @model_validator(mode="after")
     def _server_needs_model(self) -> "PolicyConfig":

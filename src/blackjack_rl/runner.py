@@ -43,7 +43,9 @@ def build_player(settings: Settings) -> Player:
         chat = policy.chat
     else:
         chat = ChatFormat.learn(_tokenizer_for(settings))
-        if p.kind == "openai":
+        if p.kind == "openai" and (p.servers or p.token_path is not None):
+            policy = _pooled_policy(settings, chat, max_new)
+        elif p.kind == "openai":
             from .policies.openai_chat import OpenAIChatPolicy
 
             policy = OpenAIChatPolicy(
@@ -76,6 +78,22 @@ def build_player(settings: Settings) -> Player:
         format_bonus=e.format_bonus,
     )
     return Player(policy, chat, solution, episode)
+
+
+def _pooled_policy(settings: Settings, chat: ChatFormat, max_new: int):
+    """Servers from `policy.servers` (or `base_url` alone), token ids when they can return them."""
+    from .policies.openai_completions import OpenAICompletionsPolicy
+    from .policies.pool import ServerPool, ServerSpec
+
+    p = settings.policy
+    specs = [ServerSpec(s.url, s.weight, s.max_concurrency) for s in p.servers] or [ServerSpec(p.base_url)]
+    pool = ServerPool(specs, api_key=p.api_key, timeout=p.timeout, retries=p.retries,
+                      max_concurrency=p.max_concurrency_per_server)
+    return OpenAICompletionsPolicy(
+        pool, p.model or "", chat, api=p.server_api, token_path=p.token_path or "auto",
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, max_tokens=max_new,
+        native_tools=p.native_tools,
+    )
 
 
 def _tokenizer_for(settings: Settings):
