@@ -157,6 +157,30 @@ def test_report_episode_browser_shows_decisions_against_the_optimum(browser, thr
         page.close()
 
 
+def test_report_lists_invalid_answers_by_reason_with_real_examples(browser, tmp_path, vocab_chat, solution):
+    from blackjack_rl.evaluate import compute_metrics, run_evaluation
+    from blackjack_rl.report.evaluation import write_report
+    from blackjack_rl.runner import episode_rows
+
+    player = Player(SometimesWrong(), vocab_chat, solution, EpisodeSettings())
+    with ThreadPoolExecutor(1) as pool:  # playwright owns this thread's event loop
+        episodes = pool.submit(asyncio.run, run_evaluation(player, 300, 16)).result()
+    metrics = compute_metrics(episodes, player)
+    assert metrics["invalid_by_reason"]["no_call"]["count"] > 0
+    write_report(tmp_path / "report.html", metrics, episode_rows(episodes), solution)
+    page = Opened(browser, tmp_path / "report.html")
+    try:
+        page.assert_clean()
+        assert_numbers_match(page, metrics)
+        examples = page.page.inner_text(".examples")
+        assert "no_call" in examples and "I would like to hit, please." in examples
+        page.page.select_option("#epfilter", "reason:no_call")
+        page.page.locator("#eplist .item").first.click()
+        assert "invalid" in page.page.inner_text("#epdetail")
+    finally:
+        page.close()
+
+
 # --- the comparison page ---------------------------------------------------------------------
 
 def test_compare_page_opens_clean_and_shows_the_paired_verdict(browser, threshold_run, tmp_path):

@@ -167,6 +167,17 @@ async def run_process(settings: Settings, player: Player, progress: bool = True)
     return ProcessSummary(written, dropped, episodes, failed, path, html, time.perf_counter() - t0)
 
 
+def episode_rows(episodes) -> list[dict[str, Any]]:
+    """samples.jsonl rows: what the report and `compare` read back."""
+    rows = []
+    for ep in episodes:
+        row = ep.summary()
+        row["decisions"] = [d.to_dict() for d in ep.decisions]
+        row["messages"] = ep.messages
+        rows.append(row)
+    return rows
+
+
 async def run_evaluate(settings: Settings, player: Player, progress: bool = True) -> dict[str, Any]:
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -180,12 +191,7 @@ async def run_evaluate(settings: Settings, player: Player, progress: bool = True
     metrics["seconds"] = seconds
     metrics["episodes_per_second"] = len(episodes) / seconds if seconds > 0 else None
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
-    rows = []
-    for ep in episodes:
-        row = ep.summary()
-        row["decisions"] = [d.to_dict() for d in ep.decisions]
-        row["messages"] = ep.messages
-        rows.append(row)
+    rows = episode_rows(episodes)
     if settings.evaluate.samples:
         with (out / "samples.jsonl").open("w", encoding="utf-8") as fh:
             for row in rows:
