@@ -156,3 +156,16 @@ def test_step_groups_on_the_embedded_model(embedded, solution):
             assert masks[-1] == MASKED and answer[-1] == 2
             answer, masks, lps = answer[:-1], masks[:-1], lps[:-1]
         assert masks[prompt_len:] == answer and all(lp <= 0 for lp in lps[prompt_len:])
+
+
+@pytest.mark.embedded
+def test_thinking_mode_on_the_embedded_model_fits_the_budget(embedded, solution):
+    """Whatever the model writes (it rarely closes its thoughts), no sequence exceeds the budget."""
+    settings = EpisodeSettings(thinking=True, max_token_length=520, max_new_tokens=48)
+    player = Player(embedded, embedded.chat, solution, settings)
+    for seed in range(3):
+        ep = run(player.episode(seed))
+        assert ep.status != "failed" and len(ep.trajectory.tokens) <= 520
+        assert "<think>" in ep.messages[0]["content"]
+    deal = run(play_step_groups(player, 5, 2))
+    assert all(len(t) <= 520 for r in deal.groups for t in r.group["tokens"])
