@@ -185,8 +185,15 @@ class Worker:
         await self.register()
         queued = 0
         next_poll = 0.0
+        next_report = time.monotonic() + 30.0
         while not self.stopping.is_set() and not self._done():
             now = time.monotonic()
+            if now >= next_report:  # a heartbeat on the console; the JSONL log has every group
+                next_report = now + 30.0
+                s = self.stats
+                log.info("groups sent %d, parked %d, dropped %s, refused %d; episodes %d (%d failed); %d in flight",
+                         s.groups_sent, s.groups_parked, s.groups_dropped or 0, s.groups_rejected, s.episodes,
+                         s.episodes_failed, len(self._tasks))
             if now >= next_poll:
                 next_poll = now + self.cfg.poll_interval
                 try:
