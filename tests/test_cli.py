@@ -16,7 +16,7 @@ def run(*args, check=True, timeout=300):
     return proc
 
 
-@pytest.mark.parametrize("cmd", [[], ["solve"], ["process"], ["evaluate"], ["api"]])
+@pytest.mark.parametrize("cmd", [[], ["solve"], ["process"], ["evaluate"], ["serve"], ["api"]])
 def test_every_command_has_help(cmd):
     out = run(*cmd, "--help").stdout
     assert "usage:" in out
