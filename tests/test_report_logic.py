@@ -144,3 +144,17 @@ def test_a_new_run_replaces_the_previous_viewer_data(tmp_path):
     with DatasetView(tmp_path / "groups.html", chunk_groups=1) as view:
         view.add(_group(9))
     assert sorted(p.name for p in (tmp_path / "groups-view").iterdir()) == ["chunk-0000.js", "index-0000.js", "manifest.js"]
+
+
+def test_figures_are_plain_inline_svg():
+    from blackjack_rl.report.plots import nice_ticks, outcome_bars, paired_forest, reward_vs_baselines
+
+    assert nice_ticks(-0.45, 0.05) == [-0.4, -0.3, -0.2, -0.1, 0.0]
+    assert nice_ticks(0.0, 1.0, target=5) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    svg = reward_vs_baselines(-0.05, -0.08, -0.02, {"optimal": -0.0466, "random": -0.3959}, "m <&> n")
+    assert svg.startswith("<svg") and svg.endswith("</svg>") and "m &lt;&amp;&gt; n" in svg and "-0.00<" not in svg
+    bars = outcome_bars([("a", {"win": 0.5, "loss": 0.5}), ("b", {"win": 0.4, "draw": 0.1, "loss": 0.5})])
+    assert bars.count("<rect") == 4 + 5  # the legend, then one rectangle per non-empty share
+    forest = paired_forest([{"label": "b − a", "mean": -0.03, "low": -0.05, "high": -0.01, "significant": True,
+                             "good": False}])
+    assert "#c62828" in forest and "href" not in forest  # nothing fetched from anywhere
