@@ -286,3 +286,22 @@ def test_the_only_server_dies_mid_run(config, vocab_chat, solution):
     assert len(episodes) == 200
     assert all(ep.status in ("finished", "invalid", "truncated") or (ep.error and ep.score is None) for ep in episodes)
     assert sum(ep.failed for ep in episodes) > 100
+
+
+def test_connections_are_kept_alive_reused_and_never_exceed_the_cap(a, vocab_chat):
+    a.control(latency_ms=10)
+    policy = make([a.url], vocab_chat, max_concurrency=8)
+    (server,) = policy.pool._servers
+    connection_pool = server.client._transport._pool
+    assert type(connection_pool).__name__ == "_LinearConnectionPool"  # the linear-time assignment is in use
+
+    async def main():
+        sizes = []
+        for _ in range(4):
+            await asyncio.gather(*(policy.respond(TURN) for _ in range(32)))
+            sizes.append(len(connection_pool.connections))
+        return sizes
+
+    sizes = run(closing(policy, main()))
+    assert max(sizes) <= 8 and sizes[-1] == sizes[1]  # bounded, and the same connections serve every burst
+    assert completions(a) == 128 and a.stats()["max_in_flight"] <= 8
