@@ -73,7 +73,8 @@ def group_summary(group: dict[str, Any]) -> list[Any]:
 
 def _episode_meta(ep: dict[str, Any]) -> dict[str, Any]:
     keys = ("status", "outcome", "reward", "invalid_reason", "actions", "optimal_actions", "player_hand",
-            "dealer_hand", "regret")
+            "dealer_hand", "regret",
+            "decision", "state", "action", "optimal")  # step groups: one decision per sequence
     return {k: ep.get(k) for k in keys if ep.get(k) is not None}
 
 
