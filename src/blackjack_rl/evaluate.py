@@ -91,7 +91,10 @@ def compute_metrics(episodes: Iterable[Episode], player: Player) -> dict[str, An
         "loss": rate_ci(outcomes["loss"], n),
         "invalid": rate_ci(sum(invalid.values()), n),
         "invalid_by_reason": {reason: {"count": k, "rate": k / n} for reason, k in sorted(invalid.items())},
-        "mean_reward": mean_ci([ep.score for ep in played]),
+        # The game reward (invalid answers at the invalid score), whatever the training scoring mode.
+        "mean_reward": mean_ci([ep.scores.get("outcome", ep.score) for ep in played]),
+        # The same quantity estimated from Q*: unbiased, with far less noise from the cards.
+        "mean_expected_score": mean_ci([ep.scores.get("expected", ep.score) for ep in played]),
         "mean_game_reward": mean_ci([ep.reward for ep in played if ep.status == "finished"]),
         "decisions": len(decisions),
         "valid_decisions": len(valid),

@@ -75,6 +75,9 @@ def print_metrics(m: dict[str, Any], console: Console) -> None:
     if mr["mean"] is not None:
         t.add_row("mean reward (invalid = %+.1f)" % m["invalid_score"],
                   f"{mr['mean']:+.4f}  [{mr['ci95_low']:+.4f}, {mr['ci95_high']:+.4f}]")
+    me = m.get("mean_expected_score") or {}
+    if me.get("mean") is not None:
+        t.add_row("expected score (V* - regret)", f"{me['mean']:+.4f}  [{me['ci95_low']:+.4f}, {me['ci95_high']:+.4f}]")
     t.add_row("win", _pct(m["win"]))
     t.add_row("draw", _pct(m["draw"]))
     t.add_row("loss", _pct(m["loss"]))
