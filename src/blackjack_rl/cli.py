@@ -82,9 +82,11 @@ def _add_play(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="base seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     g = p.add_argument_group("policy")
-    g.add_argument("--policy", choices=["embedded", "openai", "optimal", "threshold", "random"],
-                   help="who plays (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--model-path", metavar="GGUF", help="another GGUF for the embedded policy")
+    g.add_argument("--policy", choices=["embedded", "openai", "optimal", "threshold", "random", "hf"],
+                   help="who plays (default: embedded SmolLM2-135M-Instruct; hf: a torch model, e.g. one saved "
+                        "by `train`, needs the train extra)")
+    g.add_argument("--model-path", metavar="PATH",
+                   help="another GGUF for the embedded policy; for hf, a GGUF or a model folder saved by `train`")
     g.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     g.add_argument("--model", help="model name on the server")
     g.add_argument("--api-key", help="server API key (or BLACKJACK_RL_POLICY__API_KEY)")
@@ -195,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "confidence intervals. Prints a table and writes OUT/compare.html and OUT/compare.json.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="evaluation folders; the first is the baseline")
     p.add_argument("--out", metavar="DIR", default="runs/compare", help="where to write the page (default runs/compare)")
+
+    from .train.cli import add_train_parser
+
+    add_train_parser(sub, _add_play)
 
     sub.add_parser("api", help="run the trajectory API (Atropos-compatible)", add_help=False,
                    description="Run the trajectory API; see `blackjack-rl api --help`.")
@@ -316,6 +322,12 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     return 0 if stats.groups_rejected == 0 else 3
 
 
+def _cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from .train.cli import cmd_train
+
+    return cmd_train(args, console, settings_from_args, sys.argv[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["api"]:
@@ -327,10 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     console = Console(stderr=False)
     handlers = {"solve": _cmd_solve, "process": _cmd_process, "evaluate": _cmd_evaluate, "serve": _cmd_serve,
-                "compare": _cmd_compare}
+                "compare": _cmd_compare, "train": _cmd_train}
     try:
         return handlers[args.command](args, console)
-    except (ValidationError, ValueError, FileNotFoundError, *ApiError) as exc:
+    except (ValidationError, ValueError, FileNotFoundError, ImportError, *ApiError) as exc:
         Console(stderr=True).print(f"[red]error:[/red] {exc}")
         return 2
     except KeyboardInterrupt:

@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettin
 
 from .game import Rules
 
-PolicyKind = Literal["embedded", "openai", "optimal", "threshold", "random"]
+PolicyKind = Literal["embedded", "openai", "optimal", "threshold", "random", "hf"]
 
 
 class _Section(BaseModel):
@@ -53,7 +53,9 @@ class ServerConfig(_Section):
 
 class PolicyConfig(_Section):
     kind: PolicyKind = "embedded"
-    model_path: str | None = Field(None, description="a GGUF for the embedded policy (default: SmolLM2-135M-Instruct)")
+    model_path: str | None = Field(
+        None, description="a GGUF for the embedded policy, or a GGUF or saved model folder for hf "
+                          "(default: SmolLM2-135M-Instruct)")
     base_url: str = "http://127.0.0.1:8000/v1"
     model: str | None = Field(None, description="model name on the server")
     api_key: str | None = None
@@ -146,6 +148,35 @@ class ServeConfig(_Section):
     poll_interval: float = Field(1.0, gt=0)
 
 
+class TrainConfig(_Section):
+    """`blackjack-rl train`: GRPO on the torch policy (needs the `train` extra)."""
+
+    source: Literal["local", "api"] = Field(
+        "local", description="local: play groups with the model being trained; api: pull batches from the trajectory API")
+    steps: int = Field(50, ge=1, description="optimizer steps")
+    deals_per_step: int = Field(4, ge=1, description="local: deals played per step (one group each, or one per decision)")
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip of the importance ratio")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the initial model (0: no reference model)")
+    scale_advantages: bool = Field(True, description="divide advantages by the group's score std (GRPO)")
+    updates_per_batch: int = Field(1, ge=1, description="optimizer steps on each batch (>1 makes later ones off-policy)")
+    lora: bool = Field(False, description="train LoRA adapters (peft) instead of every weight")
+    lora_rank: int = Field(16, ge=1)
+    lora_alpha: float = Field(32.0, gt=0)
+    train_layers: int | None = Field(None, ge=1, description="train only the top N decoder layers (cheaper backward)")
+    max_batch: int = Field(64, ge=1, description="answers sampled in one batch")
+    eval_every: int = Field(10, ge=0, description="evaluate every N steps (0: only before and after)")
+    eval_episodes: int = Field(200, ge=0, description="fixed evaluation deals per evaluation (0: no evaluation)")
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only the final model)")
+    max_minutes: float | None = Field(None, gt=0, description="stop training after this long (then evaluate and save)")
+    api_url: str = Field("http://127.0.0.1:8000", description="api: the trajectory API")
+    api_token: str | None = Field(None, description="api: bearer token (or BLACKJACK_RL_TRAIN__API_TOKEN)")
+    batch_size: int | None = Field(None, ge=1, description="api: sequences per batch (default deals_per_step x group_size)")
+    batch_timeout: float = Field(600.0, gt=0, description="api: seconds to wait for a batch")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="BLACKJACK_RL_", env_nested_delimiter="__", extra="forbid", nested_model_default_partial_update=True
@@ -160,6 +191,7 @@ class Settings(BaseSettings):
     evaluate: EvalConfig = EvalConfig()
     process: ProcessConfig = ProcessConfig()
     serve: ServeConfig = ServeConfig()
+    train: TrainConfig = TrainConfig()
 
 
 def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:

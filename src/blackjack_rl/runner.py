@@ -26,7 +26,15 @@ def build_player(settings: Settings) -> Player:
     solution = solve(settings.game.rules)
     # Thinking turns get the reasoning budget on top of the answer's.
     max_new = p.max_tokens + (e.think_budget if e.thinking else 0)
-    if p.kind == "embedded":
+    if p.kind == "hf":
+        from .train.policy import TorchPolicy  # needs the `train` extra (torch)
+
+        policy = TorchPolicy.load(
+            p.model_path, temperature=p.temperature, max_tokens=max_new, threads=p.n_threads,
+            max_batch=settings.evaluate.concurrency,
+        )
+        chat = policy.chat
+    elif p.kind == "embedded":
         from .policies.embedded import EmbeddedPolicy
 
         policy = EmbeddedPolicy(

@@ -1,0 +1,192 @@
+"""GRPO: group-relative advantages and a clipped policy-gradient loss on trained tokens only.
+
+A group is answers to one prompt (one deal, or one decision), so its mean score is the
+baseline: an answer is pushed up exactly when it beat its siblings. Only positions whose
+mask is a token id (the model's own sampled tokens) are trained; the prompt, the
+environment's text and padding never are. The importance ratio compares the current
+policy with the logprobs the answer was sampled with (`inference_logprobs`), clipped as in
+PPO, so stale or off-policy samples (several updates per batch, or an inference server
+that has not loaded the new weights) cannot move the policy far.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from ..tokens import MASKED
+from .forward import causal_lm, forward_rows, run_prefix
+from .sampler import common_prefix_length
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0  # weight of KL(policy || initial model), k3 estimator
+    temperature: float = 1.0  # the logprobs are of logits / temperature, as sampled
+    scale_advantages: bool = True  # divide by the group's score std (GRPO); False: Dr. GRPO
+
+
+def group_advantages(scores: Sequence[float], scale: bool = True) -> list[float]:
+    """score - group mean, divided by the group's std when `scale` (all zero when scores are equal)."""
+    n = len(scores)
+    mean = sum(scores) / n
+    centred = [s - mean for s in scores]
+    if not scale:
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / n)
+    return [c / std if std > 1e-8 else 0.0 for c in centred]
+
+
+@dataclass
+class Targets:
+    """Trained positions of a group, flattened: row, position, token, logprob when sampled."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    tokens: torch.Tensor
+    old_logprobs: torch.Tensor | None  # None when the group carries none usable
+
+
+def trained_targets(group: Mapping[str, Any]) -> Targets:
+    rows, positions, tokens, old = [], [], [], []
+    inference = group.get("inference_logprobs") or None
+    for r, (seq, mask) in enumerate(zip(group["tokens"], group["masks"])):
+        if len(seq) != len(mask):
+            raise ValueError(f"sequence {r} has {len(seq)} tokens but {len(mask)} mask entries")
+        for j, m in enumerate(mask):
+            if m != MASKED:
+                if j == 0:
+                    raise ValueError("the first token of a sequence cannot be trained: nothing predicts it")
+                rows.append(r)
+                positions.append(j)
+                tokens.append(seq[j])
+                if inference:
+                    old.append(inference[r][j])
+    usable = bool(inference) and len(old) == len(rows) and any(x != 0.0 for x in old) and all(x <= 0.0 for x in old)
+    return Targets(
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(positions, dtype=torch.long),
+        torch.tensor(tokens, dtype=torch.long),
+        torch.tensor(old, dtype=torch.float32) if usable else None,
+    )
+
+
+def token_logprobs(
+    model: Any,
+    tokens: Sequence[Sequence[int]],
+    targets: Targets,
+    temperature: float,
+    *,
+    first_layer: int = 0,
+    states: Mapping[tuple[int, ...], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """log p(token | everything before it) at every trained position, one forward for the group.
+
+    The prefix shared by all sequences (up to the first trained position) runs once. With
+    `first_layer` > 0 the layers below it are frozen: they run without gradients, or not at
+    all when every sequence's states were recorded at sampling time (`states`).
+    """
+    rows = len(tokens)
+    first = int(targets.positions.min())
+    p = min(common_prefix_length(tokens), first - 1)
+    inputs = [p + 1] * rows  # positions 0 .. inputs-1 are read; the hidden state at j - 1 predicts token j
+    for r, j in zip(targets.rows.tolist(), targets.positions.tolist()):
+        inputs[r] = max(inputs[r], j)
+    width = max(inputs) - p
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    for i, t in enumerate(tokens):
+        ids[i, : inputs[i] - p] = torch.tensor(list(t[p : inputs[i]]))
+    valid = torch.arange(width)[None] < (torch.tensor(inputs) - p)[:, None]
+    positions = p + torch.arange(width)[None].expand(rows, -1)
+    if first_layer == 0:
+        prefix = run_prefix(model, list(tokens[0][:p])) if p > 0 else None
+        x: torch.Tensor = ids
+    else:
+        prefix_states, x = _trunk(model, tokens, inputs, ids, positions, valid, p, first_layer, states)
+        prefix = run_prefix(model, prefix_states, layers=(first_layer, None)) if p > 0 else None
+    hidden = forward_rows(model, x, positions, valid, prefix, layers=(first_layer, None)).hidden
+    picked = hidden[targets.rows, targets.positions - 1 - p]
+    logits = causal_lm(model).lm_head(picked).float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(1, targets.tokens[:, None])[:, 0]
+
+
+def _trunk(model, tokens, inputs, ids, positions, valid, p, first_layer, states):
+    """Hidden states entering `first_layer`: [P, hidden] for the prefix, [rows, width, hidden] for the rest."""
+    found = [_lookup(states, t, n) for t, n in zip(tokens, inputs)] if states else [None]
+    if all(f is not None for f in found):
+        width = ids.shape[1]
+        x = torch.zeros(len(tokens), width, found[0].shape[-1], dtype=found[0].dtype)
+        for i, f in enumerate(found):
+            x[i, : inputs[i] - p] = f[p : inputs[i]]
+        return found[0][:p], x
+    with torch.no_grad():
+        trunk = run_prefix(model, list(tokens[0][:p]), layers=(0, first_layer)) if p > 0 else None
+        x = forward_rows(model, ids, positions, valid, trunk, layers=(0, first_layer)).hidden
+    return (trunk.output[0] if trunk is not None else x[0, :0]), x
+
+
+def _lookup(states: Mapping[tuple[int, ...], torch.Tensor], seq: Sequence[int], need: int) -> torch.Tensor | None:
+    """Recorded states covering the first `need` positions of `seq`, if sampling kept them
+    (the sequence may end with context added after the answer, such as a closing token)."""
+    for n in range(len(seq), max(need, len(seq) - 8) - 1, -1):
+        hit = states.get(tuple(seq[:n]))
+        if hit is not None and len(hit) >= need:
+            return hit
+    return None
+
+
+@dataclass
+class GroupLoss:
+    loss: torch.Tensor  # sum over sequences of their mean token loss (divide by the batch's sequences)
+    sequences: int
+    tokens: int
+    clipped: float  # share of trained tokens whose ratio was clipped
+    logprob_gap: float  # mean |new - sampled| logprob: 0 on-policy, grows with staleness
+    kl: float  # mean k3 estimate of KL(policy || reference)
+
+
+def group_loss(
+    model: Any,
+    group: Mapping[str, Any],
+    advantages: Sequence[float],
+    config: LossConfig,
+    reference: Callable[[Sequence[Sequence[int]], Targets], torch.Tensor] | None = None,
+    *,
+    first_layer: int = 0,
+    states: Mapping[tuple[int, ...], torch.Tensor] | None = None,
+) -> GroupLoss:
+    """The clipped policy-gradient loss of one group (call `.backward()` on `.loss`).
+
+    `reference(tokens, targets)` gives the initial policy's logprobs for the KL term (None:
+    no KL). `first_layer` and `states`: see `token_logprobs`.
+    """
+    targets = trained_targets(group)
+    if len(targets.rows) == 0:
+        raise ValueError("a group with no trained positions (all masks -100) cannot be trained on")
+    logp = token_logprobs(model, group["tokens"], targets, config.temperature, first_layer=first_layer, states=states)
+    old = targets.old_logprobs if targets.old_logprobs is not None else logp.detach()
+    adv = torch.tensor(advantages, dtype=torch.float32)[targets.rows]
+    ratio = torch.exp(logp - old)
+    clipped_ratio = ratio.clamp(1 - config.clip_eps, 1 + config.clip_eps)
+    per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    kl_value = 0.0
+    if config.kl_coef > 0 and reference is not None:
+        with torch.no_grad():
+            ref = reference(group["tokens"], targets)
+        delta = ref - logp
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + config.kl_coef * kl
+        kl_value = float(kl.mean())
+    rows = len(group["tokens"])
+    counts = torch.bincount(targets.rows, minlength=rows).clamp(min=1).float()
+    per_sequence = torch.zeros(rows).index_add(0, targets.rows, per_token) / counts
+    with torch.no_grad():
+        clipped = float(((ratio - clipped_ratio).abs() > 1e-6).float().mean())
+        gap = float((logp - old).abs().mean())
+    return GroupLoss(per_sequence.sum(), rows, len(targets.rows), clipped, gap, kl_value)

@@ -1,0 +1,296 @@
+"""The training loop: get a step's groups, take a GRPO step, log, evaluate, checkpoint, plot.
+
+Everything a run leaves is in `--out`:
+    command.txt          the command line
+    settings.json        every resolved setting
+    train_log.jsonl      one row per step ("kind": "step") and per evaluation ("kind": "eval")
+    eval/step_NNNN.json  the full `evaluate` metrics of each evaluation
+    checkpoints/         every --save-every steps (LoRA: the adapter only)
+    model/               the final model: safetensors + tokenizer (`--policy hf --model-path`)
+    curves.png           the curves
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..config import Settings
+from ..evaluate import compute_metrics, run_evaluation
+from ..groups import Player
+from .forward import causal_lm
+from .grpo import LossConfig, group_advantages, group_loss, token_logprobs
+from .metrics import batch_metrics, eval_summary
+from .model import add_lora, export_model
+from .plot import plot_log
+from .policy import TorchPolicy
+from .sources import ApiSource, GroupSource, LocalSource
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    model_dir: Path | None = None
+    plot: Path | None = None
+    stopped: str = "steps"  # "steps" or "time"
+
+
+def make_trainable(model: Any, settings: Settings) -> Any:
+    """LoRA adapters, or full fine-tuning, optionally of the top `train_layers` layers only."""
+    t = settings.train
+    layers = causal_lm(model).config.num_hidden_layers
+    top = list(range(max(0, layers - t.train_layers), layers)) if t.train_layers else None
+    if t.lora:
+        return add_lora(model, t.lora_rank, t.lora_alpha, layers=top)
+    if top is not None:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        core = causal_lm(model).model
+        for i in top:
+            core.layers[i].requires_grad_(True)
+        core.norm.requires_grad_(True)
+    return model
+
+
+def make_reference(model: Any, settings: Settings) -> Callable | None:
+    """Logprobs of the initial policy, for the KL term: LoRA switched off, or a frozen copy."""
+    if settings.train.kl_coef <= 0:
+        return None
+    temperature = settings.policy.temperature
+    if hasattr(model, "disable_adapter"):
+
+        def with_adapters_off(tokens, targets):
+            with model.disable_adapter():
+                return token_logprobs(model, tokens, targets, temperature)
+
+        return with_adapters_off
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    return lambda tokens, targets: token_logprobs(frozen, tokens, targets, temperature)
+
+
+def optimize(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    groups: list[dict[str, Any]],
+    loss_config: LossConfig,
+    settings: Settings,
+    reference: Callable | None,
+    first_layer: int = 0,
+    states: dict | None = None,
+) -> dict[str, Any]:
+    """One GRPO step on a batch of groups (several when --updates-per-batch > 1).
+
+    Groups whose scores are all equal have zero advantage everywhere and are skipped: they
+    would cost a forward and backward pass for a zero gradient. Each group is backpropagated
+    as soon as its loss is known, so memory holds one group's graph at a time.
+    """
+    work = []
+    for g in groups:
+        adv = group_advantages(g["scores"], loss_config.scale_advantages)
+        if any(a != 0.0 for a in adv):
+            work.append((g, adv))
+    stats: dict[str, Any] = {"trained_groups": len(work), "trained_sequences": sum(len(g["tokens"]) for g, _ in work)}
+    if not work:
+        return stats
+    t0 = time.perf_counter()
+    sequences = stats["trained_sequences"]
+    processed = 0
+    for _ in range(settings.train.updates_per_batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = clipped = gap = kl = 0.0
+        tokens = 0
+        for g, adv in work:
+            gl = group_loss(model, g, adv, loss_config, reference, first_layer=first_layer, states=states)
+            (gl.loss / sequences).backward()
+            loss_sum += float(gl.loss.detach()) / sequences
+            tokens += gl.tokens
+            clipped += gl.clipped * gl.tokens
+            gap += gl.logprob_gap * gl.tokens
+            kl += gl.kl * gl.tokens
+            processed += sum(len(t) for t in g["tokens"])
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.train.max_grad_norm)
+        optimizer.step()
+    seconds = time.perf_counter() - t0
+    stats.update(
+        loss=loss_sum,
+        trained_tokens=tokens,
+        clipped=clipped / tokens,
+        logprob_gap=gap / tokens,
+        kl=kl / tokens if settings.train.kl_coef > 0 else None,
+        grad_norm=float(grad_norm),
+        train_seconds=seconds,
+        train_tokens_per_s=processed / seconds if seconds > 0 else None,
+    )
+    return stats
+
+
+def evaluate_policy(player: Player, settings: Settings, step: int, out: Path) -> dict[str, Any]:
+    """The fixed evaluation deals, played by the current weights, with `evaluate`'s metrics."""
+    t0 = time.perf_counter()
+    episodes = asyncio.run(
+        run_evaluation(player, settings.train.eval_episodes, settings.evaluate.concurrency)
+    )
+    metrics = compute_metrics(episodes, player)
+    metrics["seconds"] = time.perf_counter() - t0
+    (out / "eval").mkdir(parents=True, exist_ok=True)
+    (out / "eval" / f"step_{step:04d}.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    return {"kind": "eval", "step": step, "summary": eval_summary(metrics), "seconds": metrics["seconds"]}
+
+
+def checkpoint(model: Any, policy: TorchPolicy, path: Path) -> None:
+    if hasattr(model, "peft_config"):
+        model.save_pretrained(str(path))  # the adapter; the base is the --model-path the run started from
+        policy.tokenizer.tok.save_pretrained(str(path))
+    else:
+        export_model(model, policy.tokenizer, path)
+
+
+def _line(row: dict[str, Any], steps: int) -> str:
+    def pct(key: str) -> str:
+        v = row.get(key)
+        return f"{100 * v:5.1f}%" if v is not None else "    -"
+
+    score = row.get("mean_score")
+    rate = row.get("sample_tokens_per_s")
+    train_rate = row.get("train_tokens_per_s")
+    return (
+        f"step {row['step']:>4}/{steps}  score {score:+.3f}  valid {pct('valid_call_rate')}  "
+        f"accuracy {pct('decision_accuracy')}  win {pct('win_rate')}  "
+        f"trained {row.get('trained_groups', 0)}/{row['groups']} groups  "
+        f"sample {rate or 0:.0f} tok/s  train {train_rate or 0:.0f} tok/s  {row['seconds']:.0f}s"
+        if score is not None
+        else f"step {row['step']:>4}/{steps}  no groups"
+    )
+
+
+def _eval_line(row: dict[str, Any]) -> str:
+    s = row["summary"]
+
+    def ci(key: str) -> str:
+        v = s[key]
+        return f"{100 * v['rate']:.1f}% [{100 * v['ci95_low']:.1f}, {100 * v['ci95_high']:.1f}]"
+
+    return (
+        f"eval @ step {row['step']}: {s['episodes']} deals  valid answers {ci('valid_decisions')}  "
+        f"win {ci('win')}  accuracy {ci('decision_accuracy')}  ({row['seconds']:.0f}s)"
+    )
+
+
+def run_training(
+    settings: Settings,
+    player: Player,
+    argv: list[str] | None = None,
+    progress: Callable[[str], None] = print,
+) -> TrainResult:
+    """Train `player.policy` (a TorchPolicy) in place, as `settings.train` says."""
+    t = settings.train
+    policy = player.policy
+    if not isinstance(policy, TorchPolicy):
+        raise ValueError("training needs the torch policy (--policy hf)")
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "command.txt").write_text("blackjack-rl " + shlex.join(argv or []) + "\n", encoding="utf-8")
+    (out / "settings.json").write_text(settings.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    torch.manual_seed(settings.seed)
+
+    model = make_trainable(policy.model, settings)
+    policy.model = model  # the model that samples is the model that learns
+    policy.max_batch = t.max_batch
+    params = [p for p in model.parameters() if p.requires_grad]
+    progress(f"training {sum(p.numel() for p in params):,} of {sum(p.numel() for p in model.parameters()):,} "
+             f"parameters ({'LoRA' if t.lora else 'full'}"
+             + (f", top {t.train_layers} layers" if t.train_layers else "") + ")")
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    reference = make_reference(model, settings)
+    loss_config = LossConfig(t.clip_eps, t.kl_coef, settings.policy.temperature, t.scale_advantages)
+    # Below this layer nothing trains: sampling records the states entering it, and training
+    # runs only the layers above (the states are valid as long as the trunk is frozen).
+    layers = causal_lm(model).config.num_hidden_layers
+    first_layer = max(0, layers - t.train_layers) if t.train_layers else 0
+    source: GroupSource
+    if t.source == "api":
+        source = ApiSource(
+            t.api_url,
+            token=t.api_token,
+            batch_size=t.batch_size or t.deals_per_step * settings.groups.group_size,
+            max_token_len=settings.episode.max_token_length,
+            steps=t.steps,
+            checkpoint_dir=str(out / "checkpoints"),
+            save_every=t.save_every,
+            timeout_s=t.batch_timeout,
+        )
+    else:
+        source = LocalSource(player, settings.groups, t.deals_per_step, settings.seed)
+
+    result = TrainResult(out, 0)
+    log_path = out / "train_log.jsonl"
+    with log_path.open("w", encoding="utf-8") as log:
+
+        def write(row: dict[str, Any]) -> None:
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+
+        def evaluate(step: int) -> None:
+            if t.eval_episodes <= 0:
+                return
+            row = evaluate_policy(player, settings, step, out)
+            result.evals.append(row)
+            write(row)
+            progress(_eval_line(row))
+
+        evaluate(0)
+        started = time.monotonic()
+        try:
+            for step in range(1, t.steps + 1):
+                t0 = time.perf_counter()
+                tokens0, seconds0 = policy.sampled_tokens, policy.sampling_seconds
+                policy.record_layer = first_layer or None
+                try:
+                    groups, info = source.next_groups()
+                finally:
+                    policy.record_layer = None
+                row: dict[str, Any] = {"kind": "step", "step": step, **batch_metrics(groups), **info}
+                sampled = policy.sampled_tokens - tokens0
+                spent = policy.sampling_seconds - seconds0
+                row["sampled_tokens"] = sampled
+                row["sample_tokens_per_s"] = sampled / spent if spent > 0 else None
+                row.update(optimize(model, optimizer, params, groups, loss_config, settings, reference,
+                                    first_layer, policy.states))
+                policy.states.clear()
+                row["seconds"] = time.perf_counter() - t0
+                row["elapsed"] = time.monotonic() - started
+                write(row)
+                progress(_line(row, t.steps))
+                result.steps = step
+                last = step == t.steps
+                out_of_time = t.max_minutes is not None and row["elapsed"] > 60 * t.max_minutes
+                if t.save_every and step % t.save_every == 0:
+                    checkpoint(model, policy, out / "checkpoints" / f"step_{step:04d}")
+                if out_of_time:
+                    result.stopped = "time"
+                    progress(f"stopping after {row['elapsed'] / 60:.1f} min (--max-minutes {t.max_minutes})")
+                    break
+                if t.eval_every and step % t.eval_every == 0 and not last:
+                    evaluate(step)
+        finally:
+            source.close()
+        evaluate(result.steps)
+    result.model_dir = export_model(model, policy.tokenizer, out / "model")
+    result.plot = plot_log(
+        log_path,
+        out / "curves.png",
+        f"GRPO on {policy.name}, T={settings.policy.temperature}, "
+        f"{settings.groups.group_by} groups of {settings.groups.group_size}, lr {t.lr}",
+    )
+    return result

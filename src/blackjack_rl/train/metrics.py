@@ -1,0 +1,58 @@
+"""Per-step numbers read from the groups themselves, so they mean the same in both sources.
+
+Every group carries `episodes`, one record per sequence: for whole-episode groups the
+actions taken and the optimal ones and the outcome; for step groups the one action and the
+optimal one. That is all a trainer pulling from the API sees too, so local and API training
+report the same way. An invalid answer counts as a wrong decision, as in `evaluate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from ..evaluate import rate_ci
+
+
+def _decisions(record: Mapping[str, Any]) -> list[tuple[str | None, str | None]]:
+    if "actions" in record:  # a whole episode
+        return list(zip(record.get("actions") or [], record.get("optimal_actions") or []))
+    if "optimal" in record:  # one decision of a step group
+        return [(record.get("action"), record.get("optimal"))]
+    return []
+
+
+def batch_metrics(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    scores = [float(s) for g in groups for s in g["scores"]]
+    records = [r for g in groups for r in (g.get("episodes") or [])]
+    decisions = [d for r in records for d in _decisions(r)]
+    valid = sum(a is not None for a, _ in decisions)
+    correct = sum(a is not None and a == o for a, o in decisions)
+    finished = [r for r in records if "outcome" in r and r.get("status") != "failed"]
+    wins = sum(r.get("outcome") == "win" for r in finished)
+    return {
+        "groups": len(groups),
+        "sequences": len(scores),
+        "mean_score": sum(scores) / len(scores) if scores else None,
+        "decisions": len(decisions),
+        "valid_call_rate": valid / len(decisions) if decisions else None,
+        "decision_accuracy": correct / len(decisions) if decisions else None,
+        # whole-episode groups only: step groups score single decisions, not games
+        "win_rate": wins / len(finished) if finished else None,
+    }
+
+
+def eval_summary(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The headline numbers of an `evaluate` metrics dict, with their 95% intervals."""
+    n = metrics["episodes_played"]
+    invalid_k = sum(v["count"] for v in metrics["invalid_by_reason"].values())
+    return {
+        "episodes": n,
+        "valid_episodes": rate_ci(n - invalid_k, n),  # every answer a valid call, the game played out
+        "valid_decisions": rate_ci(metrics["valid_decisions"], metrics["decisions"]),
+        "win": metrics["win"],
+        "draw": metrics["draw"],
+        "loss": metrics["loss"],
+        "decision_accuracy": metrics["decision_accuracy"],
+        "mean_reward": metrics["mean_reward"],
+        "mean_regret": metrics["mean_regret"],
+    }

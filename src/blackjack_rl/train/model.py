@@ -1,0 +1,181 @@
+"""Load the policy into PyTorch (from a GGUF or a saved folder) and export what was trained.
+
+The embedded default is a quantized GGUF. Transformers can dequantize it, but the model it
+returns still remembers its GGUF origin, so we rebuild a plain `*ForCausalLM` from its config
+and state dict: that one trains and saves like any other. Transformers' GGUF tokenizer
+conversion gets SmolLM2's special tokens wrong (its eos comes out as `<|im_start|>`), so the
+tokenizer is rebuilt from the GGUF's own vocabulary and merges instead, token-identical to
+llama.cpp (the tests compare them), with eos `<|im_end|>` and no BOS added.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..tokens import HFTokenizer, embedded_model_path
+from .forward import causal_lm, check_architecture
+
+log = logging.getLogger(__name__)
+
+
+def build_hf_tokenizer(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write a Hugging Face tokenizer folder rebuilt from a GGUF's byte-level BPE vocabulary.
+
+    Needs only `gguf` and `tokenizers` (no torch, no hub). Mirrors llama.cpp's "smollm"
+    pre-tokenizer: digits split one by one, then GPT-2's byte-level split.
+    """
+    import gguf
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    reader = gguf.GGUFReader(str(gguf_path))
+
+    def field(name: str) -> Any:
+        if name not in reader.fields:
+            raise ValueError(f"{gguf_path} has no {name} in its metadata; it needs a byte-level BPE vocabulary")
+        return reader.fields[name].contents()
+
+    if field("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"{gguf_path}: only byte-level BPE ('gpt2') GGUF vocabularies can be rebuilt")
+    tokens: list[str] = field("tokenizer.ggml.tokens")
+    types: list[int] = field("tokenizer.ggml.token_type")
+    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    # token types 3 (control) and 4 (user-defined) are special: never split, never merged
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)])
+
+    def token(key: str) -> str | None:
+        return tokens[int(field(key))] if key in reader.fields else None
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=token("tokenizer.ggml.eos_token_id"),
+        bos_token=token("tokenizer.ggml.bos_token_id"),
+        unk_token=token("tokenizer.ggml.unknown_token_id"),
+        pad_token=token("tokenizer.ggml.padding_token_id"),
+        chat_template=field("tokenizer.chat_template"),
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    return out
+
+
+def load_model(path: str | Path | None = None) -> tuple[Any, HFTokenizer]:
+    """A float32 causal LM and its tokenizer, from a GGUF file (None: the embedded
+    SmolLM2-135M-Instruct) or from a folder saved by `export_model` / `save_pretrained`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path) if path else embedded_model_path()
+    if path.is_file() and path.suffix == ".gguf":
+        cached = _converted_dir(path)
+        if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
+            model, tokenizer = load_model(cached)
+            tokenizer.name = path.name
+            return model, tokenizer
+        quantized = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(quantized.config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+        if unexpected or [k for k in missing if "lm_head" not in k]:
+            raise ValueError(f"{path}: tensors do not match the architecture (missing {missing}, unexpected {unexpected})")
+        model.tie_weights()
+        del quantized
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer = HFTokenizer(str(build_hf_tokenizer(path, tmp)))
+        _save_converted(model, tokenizer, cached)
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: pass a GGUF file or a folder saved by `blackjack-rl train`")
+        AutoConfig.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        tokenizer = HFTokenizer(str(path))
+    else:
+        raise FileNotFoundError(f"no model at {path}: pass a .gguf file or a model folder")
+    model.eval()
+    check_architecture(model)
+    tokenizer.name = path.name
+    return model, tokenizer
+
+
+# End-of-generation markers llama.cpp also stops on, when a vocabulary has them as special tokens.
+END_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+def _converted_dir(gguf_path: Path) -> Path:
+    """Where a dequantized GGUF is kept: converting takes ~30 s (transformers parses the file
+    twice), loading the saved safetensors well under one."""
+    stat = gguf_path.stat()
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "blackjack-rl" / "dequantized"
+    return root / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def _save_converted(model: Any, tokenizer: HFTokenizer, out: Path) -> None:
+    try:
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        export_model(model, tokenizer, tmp)
+        tmp.replace(out)
+    except OSError as exc:  # a read-only home only costs the next load its conversion
+        log.warning("could not cache the dequantized model in %s: %s", out, exc)
+
+
+def stop_ids(model: Any, tokenizer: HFTokenizer, end_of_turn_ids: list[int]) -> set[int]:
+    """Tokens that end an answer: the chat template's end of turn, every eos the model
+    declares, and the usual end-of-text markers (as llama.cpp's end-of-generation set)."""
+    ids = set(end_of_turn_ids)
+    special = set(tokenizer.tok.all_special_tokens) | set(getattr(tokenizer.tok, "added_tokens_encoder", {}))
+    for marker in END_MARKERS:
+        if marker in special:
+            ids.add(int(tokenizer.tok.convert_tokens_to_ids(marker)))
+    for source in (causal_lm(model).config, getattr(causal_lm(model), "generation_config", None)):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.tok.eos_token_id is not None:
+        ids.add(int(tokenizer.tok.eos_token_id))
+    return ids
+
+
+def add_lora(model: Any, rank: int, alpha: float, layers: list[int] | None = None) -> Any:
+    """Wrap `model` with LoRA adapters on every attention and MLP projection (peft),
+    of the given decoder layers only when `layers` is set."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ImportError("LoRA needs peft: pip install 'blackjack-rl[train]'") from exc
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        layers_to_transform=layers,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def merged(model: Any) -> Any:
+    """A plain model with LoRA adapters folded in (a copy; the training model is untouched)."""
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    import copy
+
+    return copy.deepcopy(model).merge_and_unload()
+
+
+def export_model(model: Any, tokenizer: HFTokenizer, out_dir: str | Path) -> Path:
+    """Save safetensors weights, config and tokenizer: a folder `--policy hf --model-path` loads."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plain = merged(model)
+    plain.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.tok.save_pretrained(str(out))
+    return out

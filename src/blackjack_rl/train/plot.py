@@ -1,0 +1,69 @@
+"""The training curves as one PNG: what a person looks at to see whether it learned."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def read_log(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    steps, evals = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            (evals if row.get("kind") == "eval" else steps).append(row)
+    return [r for r in steps if r.get("kind") == "step"], evals
+
+
+def _rolling(values: list[float | None], window: int) -> list[float | None]:
+    out = []
+    for i in range(len(values)):
+        chunk = [v for v in values[max(0, i - window + 1) : i + 1] if v is not None]
+        out.append(sum(chunk) / len(chunk) if chunk else None)
+    return out
+
+
+def plot_log(log_path: Path, png_path: Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, evals = read_log(log_path)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+    panels = [
+        ("mean_score", None, "mean training score"),
+        ("valid_call_rate", "valid_decisions", "valid tool calls (share of answers)"),
+        ("decision_accuracy", "decision_accuracy", "decisions equal to the optimal action"),
+        ("win_rate", "win", "win rate"),
+    ]
+    xs = [r["step"] for r in steps]
+    window = max(1, len(steps) // 10)
+    for ax, (train_key, eval_key, label) in zip(axes.flat, panels):
+        ys = [r.get(train_key) for r in steps]
+        if any(y is not None for y in ys):
+            ax.plot(xs, [y if y is not None else float("nan") for y in ys], ".", color="tab:blue", alpha=0.35,
+                    label="training batch")
+            ax.plot(xs, [y if y is not None else float("nan") for y in _rolling(ys, window)], "-", color="tab:blue",
+                    label=f"training, mean of {window}")
+        if eval_key is not None and evals:
+            ex = [r["step"] for r in evals]
+            mid = [r["summary"][eval_key]["rate"] for r in evals]
+            lo = [max(0.0, m - r["summary"][eval_key]["ci95_low"]) for m, r in zip(mid, evals)]
+            hi = [max(0.0, r["summary"][eval_key]["ci95_high"] - m) for m, r in zip(mid, evals)]
+            n = evals[0]["summary"]["episodes"]
+            ax.errorbar(ex, mid, yerr=[lo, hi], fmt="o-", color="tab:red", capsize=4,
+                        label=f"evaluation, {n} fixed deals (95% CI)")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes[1]:
+        ax.set_xlabel("optimizer step")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path

@@ -1,0 +1,167 @@
+"""A torch model as a `Policy`: the weights being trained are the weights that play.
+
+Episodes call `respond` one turn at a time, concurrently; requests that arrive together are
+sampled as one batch (a group's `respond_many` contributes all its rows at once), so a group
+of 16 or an evaluation with 64 episodes in flight costs one batched forward per token.
+Replies carry the exact ids sampled and their logprobs under the sampling distribution
+(log-softmax of logits / temperature), which is what the trainer's importance ratio needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import NEEDS_TORCH
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(NEEDS_TORCH) from exc
+
+from ..policies.base import InferenceError, Reply, Turn
+from ..tokens import ChatFormat, HFTokenizer
+from .model import load_model, stop_ids
+from .sampler import sample
+
+
+@dataclass
+class _Request:
+    prompts: list[Sequence[int]]
+    seeds: list[int]
+    future: asyncio.Future
+
+
+def row_seed(seed: int, i: int) -> int:
+    """Seeds of the rows of one `respond_many` call: distinct, stable."""
+    return int(np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, i]).generate_state(1)[0])
+
+
+class TorchPolicy:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: HFTokenizer,
+        *,
+        name: str | None = None,
+        temperature: float = 1.0,
+        max_tokens: int = 64,
+        max_batch: int = 64,
+        threads: int | None = None,
+    ) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = model  # the trainer may swap in a peft-wrapped model; sampling follows it
+        self.tokenizer = tokenizer
+        self.chat = ChatFormat.learn(tokenizer)
+        self.stop = stop_ids(model, tokenizer, self.chat.end_of_turn_ids)
+        self.name = name or tokenizer.name
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.max_batch = max_batch
+        self.pad_id = int(tokenizer.tok.pad_token_id or 0)
+        self.sampled_tokens = 0  # totals, for tokens per second
+        self.sampling_seconds = 0.0
+        # When set (by the trainer, while it collects a batch), the hidden states entering this
+        # layer are kept for every answer, keyed by prompt + answer ids: the frozen trunk's
+        # output, which training then need not compute again.
+        self.record_layer: int | None = None
+        self.states: dict[tuple[int, ...], torch.Tensor] = {}
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-sampler")
+        self._pending: list[_Request] = []
+        self._drainer: asyncio.Task | None = None
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **kwargs: Any) -> "TorchPolicy":
+        """From a GGUF (None: the embedded SmolLM2-135M-Instruct) or a folder saved by `train`."""
+        model, tokenizer = load_model(path)
+        return cls(model, tokenizer, **kwargs)
+
+    def generation_params(self) -> dict[str, Any]:
+        return {
+            "policy": "hf",
+            "model": self.name,
+            "temperature": self.temperature,
+            "top_p": 1.0,
+            "max_tokens": self.max_tokens,
+            "constrained": False,
+            "logprobs": "log-softmax of logits / temperature (the sampling distribution) of each sampled token",
+        }
+
+    async def respond(self, turn: Turn) -> Reply:
+        return (await self._submit([turn.prompt_ids], [turn.seed]))[0]
+
+    async def respond_many(self, turn: Turn, n: int) -> list[Reply]:
+        return await self._submit([turn.prompt_ids] * n, [row_seed(turn.seed, i) for i in range(n)])
+
+    async def aclose(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    # --- batching -------------------------------------------------------------------------
+
+    async def _submit(self, prompts: list[Sequence[int]], seeds: list[int]) -> list[Reply]:
+        loop = asyncio.get_running_loop()
+        request = _Request(prompts, seeds, loop.create_future())
+        self._pending.append(request)
+        if self._drainer is None or self._drainer.done() or self._drainer.get_loop() is not loop:
+            self._drainer = loop.create_task(self._drain())
+        return await request.future
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            for _ in range(4):  # let episodes resumed by the last batch queue their next turn
+                await asyncio.sleep(0)
+            batch, rows = [], 0
+            while self._pending and (not batch or rows + len(self._pending[0].prompts) <= self.max_batch):
+                request = self._pending.pop(0)
+                batch.append(request)
+                rows += len(request.prompts)
+            prompts = [p for r in batch for p in r.prompts]
+            seeds = [s for r in batch for s in r.seeds]
+            try:
+                replies = await loop.run_in_executor(self._worker, self.generate, prompts, seeds)
+            except Exception as exc:  # noqa: BLE001 - every waiting episode learns it failed
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(exc if isinstance(exc, InferenceError) else InferenceError(repr(exc)))
+                continue
+            i = 0
+            for r in batch:
+                if not r.future.done():
+                    r.future.set_result(replies[i : i + len(r.prompts)])
+                i += len(r.prompts)
+
+    def generate(self, prompts: list[Sequence[int]], seeds: list[int]) -> list[Reply]:
+        """Sample one reply per prompt, synchronously (one batch)."""
+        t0 = time.perf_counter()
+        samples = sample(
+            self.model,
+            prompts,
+            seeds,
+            temperature=self.temperature,
+            max_new_tokens=self.max_tokens,
+            stop=self.stop,
+            pad_id=self.pad_id,
+            record_layer=self.record_layer,
+        )
+        if self.record_layer is not None:
+            for prompt, s in zip(prompts, samples):
+                self.states[(*prompt, *s.ids)] = s.states
+        self.sampling_seconds += time.perf_counter() - t0
+        self.sampled_tokens += sum(len(s.ids) for s in samples)
+        return [
+            Reply(
+                text=self.tokenizer.decode(s.ids[:-1] if s.finish_reason == "stop" else s.ids),
+                completion_ids=s.ids,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+            )
+            for s in samples
+        ]

@@ -1,0 +1,122 @@
+"""Batched sampling from a torch model, exact ids and the logprob each was sampled with.
+
+All rows of a batch share the longest common prefix of their prompts (a group's prompt, or
+at least the system prompt), which runs once; each row then carries its own suffix, padded on
+the right and never attended to where padded. Finished rows leave the batch.
+
+Each row draws from its own seeded generator, so a row's answer does not depend on which
+other rows share its batch (up to floating-point differences between batch shapes).
+
+With `record_layer`, each sample also keeps the hidden states entering that layer at every
+position the model read (prompt and answer but its last token): when only the layers from
+there up are trained, the trainer starts from these instead of running the frozen trunk again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .forward import RowCache, causal_lm, forward_rows, run_prefix
+
+
+@dataclass
+class Sample:
+    ids: list[int]  # ends with the stop token when the answer stopped
+    logprobs: list[float]  # log-probability of each id under the sampling distribution
+    finish_reason: str  # "stop" or "length"
+    states: torch.Tensor | None = None  # [len(prompt) + len(ids) - 1, hidden] entering `record_layer`
+
+
+def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        t = first[i]
+        if any(s[i] != t for s in seqs):
+            return i
+    return n
+
+
+@torch.no_grad()
+def sample(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    stop: set[int],
+    pad_id: int = 0,
+    record_layer: int | None = None,
+) -> list[Sample]:
+    """Sample one answer per prompt. temperature 0 means greedy (logprobs then at temperature 1)."""
+    if not prompts:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    lm = causal_lm(model)
+    n = len(prompts)
+    p = min(common_prefix_length(prompts), min(len(x) for x in prompts) - 1)  # each row keeps >= 1 token
+    prefix = run_prefix(model, list(prompts[0][:p]), record_layer=record_layer)
+    lengths = torch.tensor([len(x) - p for x in prompts])
+    width = int(lengths.max())
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    for i, x in enumerate(prompts):
+        ids[i, : len(x) - p] = torch.tensor(list(x[p:]))
+    valid = torch.arange(width)[None] < lengths[:, None]
+    positions = p + torch.arange(width)[None].expand(n, -1)
+    cache = RowCache.allocate(model, n, width + max_new_tokens, lm.lm_head.weight.dtype)
+    first = forward_rows(model, ids, positions, valid, prefix, cache, record_layer=record_layer)
+    logits = lm.lm_head(first.hidden[torch.arange(n), lengths - 1])
+    recorded: list[list[torch.Tensor]] = [[] for _ in range(n)]  # per row, the states of fed answer tokens
+    next_pos = p + lengths
+
+    rngs = [np.random.default_rng(int(s) & 0xFFFFFFFFFFFFFFFF) for s in seeds]
+    out = [Sample([], [], "length") for _ in range(n)]
+    active = torch.arange(n)  # original row of each row still in the batch
+    stop_t = torch.tensor(sorted(stop)) if stop else torch.tensor([], dtype=torch.long)
+    for step in range(max_new_tokens):
+        logits = logits.float()
+        if temperature > 0:
+            logp = torch.log_softmax(logits / temperature, dim=-1)
+            u = torch.tensor([rngs[int(r)].random() for r in active], dtype=torch.float64)
+            cdf = logp.double().exp().cumsum(-1)
+            tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=logits.shape[-1] - 1)
+        else:
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = logp.argmax(-1, keepdim=True)
+        lp = logp.gather(1, tok)[:, 0]
+        tok = tok[:, 0]
+        for j, r in enumerate(active.tolist()):
+            out[r].ids.append(int(tok[j]))
+            out[r].logprobs.append(float(lp[j]))
+        done = torch.isin(tok, stop_t)
+        for r in active[done].tolist():
+            out[r].finish_reason = "stop"
+        if step == max_new_tokens - 1:
+            break
+        keep = ~done
+        if not bool(keep.any()):
+            break
+        if not bool(keep.all()):
+            rows = keep.nonzero()[:, 0]
+            cache.keep_rows(rows)
+            active, tok, next_pos = active[rows], tok[rows], next_pos[rows]
+        step_out = forward_rows(
+            model, tok[:, None], next_pos[:, None], torch.ones(len(active), 1, dtype=torch.bool), prefix, cache,
+            record_layer=record_layer,
+        )
+        if record_layer is not None:
+            for j, r in enumerate(active.tolist()):
+                recorded[r].append(step_out.recorded[j])
+        logits = lm.lm_head(step_out.hidden[:, -1])
+        next_pos = next_pos + 1
+    if record_layer is not None:
+        head = prefix.recorded[0] if prefix is not None else first.recorded[0, :0]
+        for i in range(n):
+            out[i].states = torch.cat([head, first.recorded[i, : int(lengths[i])], *recorded[i]])
+    return out

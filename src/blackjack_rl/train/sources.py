@@ -1,0 +1,95 @@
+"""Where a step's groups come from.
+
+`LocalSource` plays them with the environment's own group code and the policy being trained,
+so every sample is on-policy. `ApiSource` registers with the trajectory API as an Atropos
+trainer and pulls batches that `blackjack-rl serve` workers posted: the three-process layout
+of a cluster. There the answers were sampled by whatever model the workers run (by default
+the embedded GGUF, which does not load the trainer's new weights), so that training is
+off-policy; the clipped ratio against the batch's `inference_logprobs` is what keeps it sane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from typing import Any, Protocol
+
+from ..api.client import TrainerClient
+from ..api.models import Registration
+from ..config import GroupConfig
+from ..groups import Player, play_deal
+
+
+class GroupSource(Protocol):
+    def next_groups(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The groups of one step, and facts about how they were obtained."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalSource:
+    def __init__(self, player: Player, groups: GroupConfig, deals_per_step: int, seed: int) -> None:
+        self.player = player
+        self.groups = groups
+        self.deals_per_step = deals_per_step
+        # Training deals are drawn below 2**32, so they never meet the evaluation seeds.
+        self._rng = random.Random(seed)
+
+    def next_groups(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        seeds = [self._rng.randrange(2**32) for _ in range(self.deals_per_step)]
+
+        async def play() -> list:
+            return await asyncio.gather(*(play_deal(self.player, s, self.groups) for s in seeds))
+
+        results = [r for deal in asyncio.run(play()) for r in deal]
+        dropped = Counter(r.dropped for r in results if r.group is None)
+        failed = sum(ep.failed for r in results for ep in r.episodes)
+        return [dict(r.group) for r in results if r.group is not None], {
+            "deals": len(seeds),
+            "dropped": dict(dropped),
+            "episodes_failed": failed,
+        }
+
+    def close(self) -> None:
+        pass
+
+
+class ApiSource:
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None,
+        batch_size: int,
+        max_token_len: int,
+        steps: int,
+        checkpoint_dir: str,
+        save_every: int,
+        timeout_s: float,
+    ) -> None:
+        self.client = TrainerClient(url, token=token)
+        self.timeout_s = timeout_s
+        self.client.register(
+            Registration(
+                batch_size=batch_size,
+                max_token_len=max_token_len,
+                checkpoint_dir=checkpoint_dir,
+                save_checkpoint_interval=save_every or -1,
+                starting_step=0,
+                num_steps=steps,
+            )
+        )
+
+    def next_groups(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        try:
+            batch = self.client.wait_for_batch(self.timeout_s, poll_s=0.5)
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"{exc}: is a `blackjack-rl serve` worker feeding the API? (raise --batch-timeout to wait longer)"
+            ) from None
+        return batch.groups, {"batch_id": batch.batch_id, "api_step": batch.step, "redelivered": batch.redelivered}
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,234 @@
+"""The GRPO trainer: forward pass, sampling, loss direction, the CLI, the API source.
+
+Most tests use a tiny random llama (2 layers, SmolLM2's real vocabulary and chat template),
+so the mechanics are tested in seconds; the real SmolLM2 weights are only needed for the
+tokenizer check (which needs no torch) and the committed run under docs/training/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the trainer needs the train extra: pip install -e '.[train]'")
+
+from blackjack_rl.config import GroupConfig, Settings, TrainConfig  # noqa: E402
+from blackjack_rl.episode import EpisodeSettings, opening_messages  # noqa: E402
+from blackjack_rl.game import Observation, Rules  # noqa: E402
+from blackjack_rl.groups import Player, play_deal  # noqa: E402
+from blackjack_rl.protocol import HIT, tool_call_text  # noqa: E402
+from blackjack_rl.solver import solve  # noqa: E402
+from blackjack_rl.tokens import MASKED, ChatFormat, HFTokenizer, trained_spans  # noqa: E402
+from blackjack_rl.train.forward import RowCache, forward_rows, run_prefix  # noqa: E402
+from blackjack_rl.train.grpo import LossConfig, group_advantages, token_logprobs, trained_targets  # noqa: E402
+from blackjack_rl.train.loop import make_trainable, optimize  # noqa: E402
+from blackjack_rl.train.model import build_hf_tokenizer, load_model  # noqa: E402
+from blackjack_rl.train.policy import TorchPolicy  # noqa: E402
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, gguf_path) -> Path:
+    """A 2-layer llama with random weights, large enough at init that its logits differ."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+        pad_token_id=2, initializer_range=0.3,
+    )
+    LlamaForCausalLM(config).save_pretrained(out)
+    build_hf_tokenizer(gguf_path, out)
+    return out
+
+
+@pytest.fixture()
+def tiny_policy(tiny_model_dir) -> TorchPolicy:
+    return TorchPolicy.load(tiny_model_dir, temperature=1.0, max_tokens=10, threads=1)
+
+
+def test_tokenizer_rebuilt_from_the_gguf_gives_llama_cpps_ids(gguf_path, tmp_path, vocab_chat):
+    tok = HFTokenizer(str(build_hf_tokenizer(gguf_path, tmp_path)))
+    assert (tok.tok.eos_token, tok.tok.eos_token_id) == ("<|im_end|>", 2)
+    assert tok.encode("hello 123")[0] != tok.tok.bos_token_id  # no BOS is added
+    chat = ChatFormat.learn(tok)
+    assert (chat.end_of_turn_ids, chat.glue, chat.tail) == (vocab_chat.end_of_turn_ids, vocab_chat.glue, vocab_chat.tail)
+    for obs in [Observation(15, 10, False), Observation(21, 1, True), Observation(4, 7, False)]:
+        messages = opening_messages(obs)
+        assert chat.prompt_ids(messages) == vocab_chat.prompt_ids(messages)
+    assert chat.answer_ids(tool_call_text(HIT)) == vocab_chat.answer_ids(tool_call_text(HIT))
+
+
+def test_shared_prefix_forward_equals_the_models_own(tiny_model_dir):
+    model, _ = load_model(tiny_model_dir)
+    seqs = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 20, 21], [5, 6, 7, 8, 30]]
+    p = 4
+    with torch.no_grad():
+        reference = [model(torch.tensor([s])).logits[0, p:] for s in seqs]
+        prefix = run_prefix(model, seqs[0][:p])
+        width = max(len(s) for s in seqs) - p
+        ids = torch.tensor([s[p:] + [0] * (width - len(s) + p) for s in seqs])
+        valid = torch.tensor([[1] * (len(s) - p) + [0] * (width - len(s) + p) for s in seqs]).bool()
+        positions = p + torch.arange(width)[None].expand(len(seqs), -1)
+        logits = model.lm_head(forward_rows(model, ids, positions, valid, prefix).hidden)
+        # the same, token by token through the preallocated cache, as sampling runs it
+        cache = RowCache.allocate(model, len(seqs), width, torch.float32)
+        steps = [forward_rows(model, ids[:, j : j + 1], positions[:, j : j + 1], valid[:, j : j + 1], prefix, cache)
+                 for j in range(width)]
+        cached = model.lm_head(torch.cat([o.hidden for o in steps], dim=1))
+    for i, s in enumerate(seqs):
+        n = len(s) - p
+        torch.testing.assert_close(logits[i, :n], reference[i], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(cached[i, :n], reference[i], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group_by", ["step", "episode"])
+def test_sampled_logprobs_are_what_training_computes(tiny_policy, solution, group_by):
+    player = Player(tiny_policy, tiny_policy.chat, solution, EpisodeSettings())
+    tiny_policy.record_layer = 1
+    [result] = asyncio.run(play_deal(player, 7, GroupConfig(group_size=4, group_by=group_by)))[:1]
+    group = result.group
+    targets = trained_targets(group)
+    assert targets.old_logprobs is not None and len(targets.rows) > 0
+    with torch.no_grad():
+        full = token_logprobs(tiny_policy.model, group["tokens"], targets, 1.0)
+        trunk = token_logprobs(tiny_policy.model, group["tokens"], targets, 1.0, first_layer=1)
+        recorded = token_logprobs(tiny_policy.model, group["tokens"], targets, 1.0, first_layer=1,
+                                  states=tiny_policy.states)
+    assert tiny_policy.states, "sampling recorded the trunk's states"
+    for got in (full, trunk, recorded):
+        torch.testing.assert_close(got, targets.old_logprobs, atol=1e-4, rtol=1e-4)
+    # each answer is exactly what was sampled: it ends on a stop token or at max_tokens
+    for seq, mask in zip(group["tokens"], group["masks"]):
+        for start, end in trained_spans(mask):
+            assert seq[end - 1] in tiny_policy.stop or end - start == tiny_policy.max_tokens
+
+
+def _synthetic_group(chat: ChatFormat, good: list[int], bad: list[int]) -> dict:
+    """Two answers to one prompt, twice each: `good` scores 1, `bad` scores -1."""
+    prompt = chat.prompt_ids(opening_messages(Observation(15, 10, False)))
+    tokens, masks = [], []
+    for answer in (good, bad, good, bad):
+        tokens.append(prompt + answer)
+        masks.append([MASKED] * len(prompt) + answer)
+    return {"tokens": tokens, "masks": masks, "scores": [1.0, -1.0, 1.0, -1.0]}
+
+
+def _answer_logprob(model, group, row: int) -> float:
+    targets = trained_targets(group)
+    with torch.no_grad():
+        lp = token_logprobs(model, group["tokens"], targets, 1.0)
+    return float(lp[targets.rows == row].sum())
+
+
+@pytest.mark.parametrize("variant", [{}, {"lora": True, "lr": 1e-2}, {"train_layers": 1}])
+def test_one_step_moves_probability_to_the_higher_scored_answer(tiny_model_dir, variant):
+    torch.manual_seed(0)
+    model, tokenizer = load_model(tiny_model_dir)
+    chat = ChatFormat.learn(tokenizer)
+    good = chat.answer_ids(tool_call_text(HIT))
+    bad = chat.answer_ids("I think I will hit, because 15 is low against a 10.")
+    group = _synthetic_group(chat, good, bad)
+    settings = Settings(train=TrainConfig(**{"lr": 1e-3, **variant}))
+    model = make_trainable(model, settings)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    good_before, bad_before = _answer_logprob(model, group, 0), _answer_logprob(model, group, 1)
+    optimizer = torch.optim.AdamW(params, lr=settings.train.lr)
+    layers = model.config.num_hidden_layers if not hasattr(model, "peft_config") else 2
+    first_layer = layers - settings.train.train_layers if settings.train.train_layers else 0
+    stats = optimize(model, optimizer, params, [group], LossConfig(), settings, None, first_layer)
+    assert stats["trained_groups"] == 1 and stats["clipped"] == 0.0
+    assert any(not torch.equal(b, p) for b, p in zip(before, params)), "the weights changed"
+    assert _answer_logprob(model, group, 0) > good_before + 0.05
+    assert _answer_logprob(model, group, 1) < bad_before - 0.05
+
+
+def test_groups_without_signal_are_not_trained(tiny_model_dir):
+    model, tokenizer = load_model(tiny_model_dir)
+    chat = ChatFormat.learn(tokenizer)
+    group = _synthetic_group(chat, chat.answer_ids("a"), chat.answer_ids("b"))
+    group["scores"] = [-1.0] * 4
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    stats = optimize(model, torch.optim.AdamW(params, lr=1e-2), params, [group], LossConfig(), Settings(), None)
+    assert stats == {"trained_groups": 0, "trained_sequences": 0}
+    assert all(torch.equal(b, p) for b, p in zip(before, params))
+
+
+def test_group_advantages():
+    assert group_advantages([1.0, -1.0]) == [1.0, -1.0]
+    assert group_advantages([2.0, 0.0], scale=False) == [1.0, -1.0]
+    assert group_advantages([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "blackjack_rl.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    run = _cli("train", "--model-path", str(tiny_model_dir), "--steps", "2", "--deals-per-step", "2",
+               "--group-size", "4", "--group-by", "step", "--max-tokens", "6", "--eval-episodes", "3",
+               "--eval-every", "1", "--save-every", "1", "--lora", "--threads", "1", "--out", str(out), cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), ("step", 1), ("eval", 1), ("step", 2), ("eval", 2)]
+    step = rows[1]
+    for key in ("mean_score", "valid_call_rate", "decision_accuracy", "sample_tokens_per_s", "trained_groups"):
+        assert key in step
+    assert set(rows[0]["summary"]) >= {"valid_decisions", "win", "decision_accuracy", "mean_reward"}
+    assert (out / "curves.png").stat().st_size > 10_000
+    assert (out / "model" / "model.safetensors").is_file() and (out / "model" / "tokenizer.json").is_file()
+    assert (out / "checkpoints" / "step_0001" / "adapter_model.safetensors").is_file()
+    assert "train" in (out / "command.txt").read_text()
+
+    ev = _cli("evaluate", "--policy", "hf", "--model-path", str(out / "model"), "--episodes", "3",
+              "--max-tokens", "6", "--threads", "1", "--quiet", "--out", str(tmp_path / "ev"), cwd=tmp_path)
+    assert ev.returncode == 0, ev.stdout + ev.stderr
+    metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    assert metrics["episodes_played"] == 3 and metrics["policy"]["policy"] == "hf"
+
+
+def test_train_rejects_other_policies(tmp_path):
+    run = _cli("train", "--policy", "random", "--out", str(tmp_path), cwd=tmp_path)
+    assert run.returncode == 2 and "drop --policy" in run.stderr
+
+
+def test_trains_on_batches_pulled_from_the_trajectory_api(tiny_policy, solution, tmp_path):
+    import httpx
+
+    from blackjack_rl.train.sources import ApiSource
+    from conftest_api import ServerProcess
+
+    player = Player(tiny_policy, tiny_policy.chat, solution, EpisodeSettings(scoring="expected"))
+    groups = [r.group for seed in (1, 2) for r in asyncio.run(play_deal(player, seed, GroupConfig(group_size=4)))]
+    groups[0]["scores"] = [1.0, -1.0, 0.5, -0.5]  # make sure at least one group carries signal
+    api = ServerProcess(tmp_path / "api.sqlite").start()
+    try:
+        source = ApiSource(api.url, token=None, batch_size=8, max_token_len=1024, steps=1,
+                           checkpoint_dir=str(tmp_path), save_every=0, timeout_s=30)
+        response = httpx.post(f"{api.url}/scored_data_list", json=groups, timeout=10)
+        assert response.status_code == 200, response.text
+        pulled, info = source.next_groups()
+        source.close()
+    finally:
+        api.stop()
+    assert len(pulled) == 2 and info["redelivered"] is False
+    assert pulled[0]["tokens"] == groups[0]["tokens"]
+    model = tiny_policy.model
+    params = list(model.parameters())
+    stats = optimize(model, torch.optim.AdamW(params, lr=1e-3), params, pulled, LossConfig(), Settings(), None)
+    assert stats["trained_groups"] >= 1 and stats["logprob_gap"] < 1e-3  # same weights sampled them
