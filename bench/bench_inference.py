@@ -2,8 +2,8 @@
 
 Run: python bench/bench_inference.py [--episodes 2000] [--group-size 16] [--profile]
 
-The server is the vLLM mock from tests/ in its own process, answering instantly (or
-after a fixed latency), so the CPU measured here (`time.process_time` of this process)
+The server is the vLLM mock from tests/ (its minimal asyncio HTTP layer) in its own
+process, answering instantly (or after a fixed latency), so the CPU measured here (`time.process_time` of this process)
 is our code alone: HTTP client, JSON, token ids, the game, parsing, scoring, packing.
 Each number is printed next to baselines measured in the same run:
   - `chat client`: the existing single-client chat-completions policy
@@ -14,7 +14,8 @@ Measured:
   1. CPU ms per episode (target < 1.5; the original needs ~17) and episodes per second,
      playing groups of 16 (the pool's path shares the first turn: one request with n=16);
   2. wall time of an evaluation of 100 episodes at 50 ms server latency (target < 1 s;
-     the original, one episode at a time, takes 15.5 s), against one-at-a-time here.
+     the original, one episode at a time, takes 15.5 s), against one-at-a-time here and
+     against the floor: the same episodes with every answer an in-process 50 ms sleep.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import cProfile
 import pstats
+import random
 import sys
 import tempfile
 import time
@@ -122,11 +124,12 @@ def measure(make_policy: Callable[[], Any], chat: ChatFormat, solution, episodes
 
 
 def evaluation_wall(make_policy: Callable[[], Any], chat: ChatFormat, solution, episodes: int, concurrency: int) -> float:
+    """Wall seconds of `run_evaluation`, after a warm-up that opens the connections a long run keeps."""
     async def main() -> float:
         policy = make_policy()
         player = Player(policy, chat, solution)
         try:
-            await run_evaluation(player, 4, concurrency=4)  # warm up
+            await run_evaluation(player, concurrency, concurrency=concurrency)
             t0 = time.perf_counter()
             eps = await run_evaluation(player, episodes, concurrency=concurrency)
             wall = time.perf_counter() - t0
@@ -137,6 +140,31 @@ def evaluation_wall(make_policy: Callable[[], Any], chat: ChatFormat, solution, 
             await policy.aclose()
 
     return asyncio.run(main())
+
+
+class SleepPolicy:
+    """The floor for an evaluation's wall time: each answer takes exactly the latency, with no
+    HTTP at all (answers drawn like the mock's, so episodes last as many turns)."""
+
+    name = "sleep"
+
+    def __init__(self, chat: ChatFormat, answers: list[dict[str, Any]], latency_s: float) -> None:
+        self.chat, self.answers, self.latency_s = chat, answers, latency_s
+        self.weights = [a["weight"] for a in answers]
+
+    def generation_params(self) -> dict[str, Any]:
+        return {"policy": "sleep"}
+
+    async def respond(self, turn: Turn) -> Reply:
+        await asyncio.sleep(self.latency_s)
+        answer = random.Random(turn.seed).choices(self.answers, self.weights)[0]
+        ids = list(answer["ids"])
+        closed = ids[-1:] == self.chat.end_of_turn_ids
+        return Reply(text=answer["text"], completion_ids=ids, logprobs=[0.0] * len(ids),
+                     finish_reason="stop" if closed else "length")
+
+    async def aclose(self) -> None:
+        pass
 
 
 def main() -> None:
@@ -154,7 +182,7 @@ def main() -> None:
     solution = solve(Rules())
     cfg = write_config(Path(tempfile.mkdtemp(prefix="bench-mock-")) / "answers.json", blackjack_answers(chat),
                        chat.end_of_turn_ids[0])
-    server = MockServer(cfg)
+    server = MockServer(cfg, raw=True)
     try:
         server.control(record=False)
 
@@ -186,11 +214,19 @@ def main() -> None:
               "(bounded by the mock server sharing these CPUs)")
 
         server.control(latency_ms=args.latency_ms)
-        fast = evaluation_wall(pool_policy, chat, solution, args.eval_episodes, 64)
+        answers, latency = blackjack_answers(chat), args.latency_ms / 1000
+        print(f"\nevaluation of {args.eval_episodes} episodes at {args.latency_ms:g} ms server latency "
+              "(target < 1 s; the original, one at a time, takes 15.5 s):")
+        print(f"{'concurrency':>12} {'ours, s':>9} {'floor, s':>9} {'one at a time, s':>17}")
         serial = evaluation_wall(pool_policy, chat, solution, args.eval_episodes, 1)
-        print(f"\nevaluation of {args.eval_episodes} episodes at {args.latency_ms:g} ms latency: {fast:.2f} s with "
-              f"concurrency 64, {serial:.2f} s one at a time ({serial / fast:.0f}x) "
-              f"(target < 1 s; the original takes 15.5 s) -> {'PASS' if fast < 1.0 else 'FAIL'}")
+        for concurrency in (64, 128):
+            ours = evaluation_wall(pool_policy, chat, solution, args.eval_episodes, concurrency)
+            floor = evaluation_wall(lambda: SleepPolicy(chat, answers, latency), chat, solution,
+                                    args.eval_episodes, concurrency)
+            print(f"{concurrency:12d} {ours:9.2f} {floor:9.2f} {serial:17.2f}   "
+                  f"{'PASS' if ours < 1.0 else 'FAIL'} ({ours / floor:.1f}x the floor, {serial / ours:.0f}x faster "
+                  "than one at a time)")
+        print("floor: the same episodes with each answer an in-process sleep of the latency, no HTTP")
     finally:
         server.kill()
 

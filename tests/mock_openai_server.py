@@ -15,8 +15,9 @@ so tests know exactly which ids the server returned. Faults are switched on at r
 time with `POST /_control` (see `Control`), and `GET /_stats` returns request counts
 and a log of every completion returned, to compare trained ids against.
 
-Run: python tests/mock_openai_server.py --port PORT --config answers.json
-Binds 127.0.0.1 only.
+Run: python tests/mock_openai_server.py --port PORT --config answers.json [--raw]
+(FastAPI on uvicorn; `--raw`: the same behaviour on a minimal asyncio HTTP/1.1 server,
+for benchmarks that must measure the client rather than the server). Binds 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 
 @dataclass
@@ -64,14 +65,36 @@ class State:
     unhang: asyncio.Event = field(default_factory=asyncio.Event)  # set on reset: hung requests return
 
 
-def build_app(state: State) -> FastAPI:
-    weights = [a.get("weight", 1.0) for a in state.answers]
+Answer = tuple[int, Any]  # (HTTP status, a JSON-able object or raw bytes)
 
-    def sample(seed: int | None) -> dict[str, Any]:
+
+class Behaviour:
+    """What the server answers, apart from any HTTP layer (FastAPI for tests, raw asyncio for benchmarks)."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.weights = [a.get("weight", 1.0) for a in state.answers]
+        self.routes = {
+            ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/chat/completions"): self.chat,
+            ("GET", "/v1/models"): self.models,
+            ("GET", "/health"): self.health,
+            ("POST", "/_control"): self.control,
+            ("GET", "/_stats"): self.stats,
+        }
+
+    async def handle(self, method: str, path: str, body: bytes) -> Answer:
+        route = self.routes.get((method, path))
+        if route is None:
+            return 404, {"error": {"message": f"no route {method} {path}"}}
+        return await route(body)
+
+    def sample(self, seed: int | None) -> dict[str, Any]:
         rng = random.Random(seed) if seed is not None else random
-        return rng.choices(state.answers, weights)[0]
+        return rng.choices(self.state.answers, self.weights)[0]
 
-    async def fault(path: str) -> Response | None:
+    async def fault(self, path: str) -> Answer | None:
+        state = self.state
         state.requests[path] = state.requests.get(path, 0) + 1
         c = state.control
         if c.latency_ms:
@@ -86,37 +109,38 @@ def build_app(state: State) -> FastAPI:
                 await asyncio.wait_for(state.unhang.wait(), 3600)
             except asyncio.TimeoutError:
                 pass
-            return JSONResponse({"error": {"message": "released after hanging"}}, status_code=503)
+            return 503, {"error": {"message": "released after hanging"}}
         if c.status:
-            return JSONResponse({"error": {"message": "injected failure", "code": c.status}}, status_code=c.status)
+            return c.status, {"error": {"message": "injected failure", "code": c.status}}
         if c.malformed:
-            return Response(b'{"choices": [{"text": "trunc', media_type="application/json")
+            return 200, b'{"choices": [{"text": "trunc'
         return None
 
-    async def completions(request: Request) -> Response:
+    async def completions(self, raw: bytes) -> Answer:
+        state = self.state
         state.in_flight += 1
         state.max_in_flight = max(state.max_in_flight, state.in_flight)
         try:
-            return await _completions(request)
+            if (bad := await self.fault("/v1/completions")) is not None:
+                return bad
+            return self._complete(json.loads(raw))
         finally:
             state.in_flight -= 1
 
-    async def _completions(request: Request) -> Response:
-        if (bad := await fault("/v1/completions")) is not None:
-            return bad
-        body = await request.json()
+    def _complete(self, body: dict[str, Any]) -> Answer:
+        state = self.state
         if body.get("model") != state.model:
-            return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does not exist."}}, 404)
+            return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}}
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
-            return JSONResponse({"error": {"message": "prompt must be a string or a list of token ids"}}, 400)
+            return 400, {"error": {"message": "prompt must be a string or a list of token ids"}}
         n = 1 if state.control.ignore_n else int(body.get("n", 1))
         seed = body.get("seed")
         max_tokens = int(body.get("max_tokens", 16))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         choices, returned = [], []
         for i in range(n):
-            answer = sample(None if seed is None else seed + i)
+            answer = self.sample(None if seed is None else seed + i)
             ids = list(answer["ids"])[:max_tokens]
             stopped = len(ids) == len(answer["ids"]) and ids and ids[-1] == state.eos
             if stopped and state.control.omit_eos:
@@ -139,32 +163,32 @@ def build_app(state: State) -> FastAPI:
             returned.append({"ids": ids, "logprobs": logprobs})
         if state.control.record and isinstance(prompt, list):
             state.log.append({"prompt": prompt, "choices": returned})
-        return JSONResponse({"id": "cmpl-mock", "object": "text_completion", "model": state.model, "choices": choices,
-                             "usage": {"prompt_tokens": len(prompt), "completion_tokens": 0}})
+        return 200, {"id": "cmpl-mock", "object": "text_completion", "model": state.model, "choices": choices,
+                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": 0}}
 
-    async def chat(request: Request) -> Response:
-        if (bad := await fault("/v1/chat/completions")) is not None:
+    async def chat(self, raw: bytes) -> Answer:
+        if (bad := await self.fault("/v1/chat/completions")) is not None:
             return bad
-        body = await request.json()
-        if body.get("model") != state.model:
-            return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does not exist."}}, 404)
-        n = 1 if state.control.ignore_n else int(body.get("n", 1))
+        body = json.loads(raw)
+        if body.get("model") != self.state.model:
+            return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}}
+        n = 1 if self.state.control.ignore_n else int(body.get("n", 1))
         seed = body.get("seed")
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": sample(None if seed is None else seed + i)["text"]},
+            {"index": i, "message": {"role": "assistant", "content": self.sample(None if seed is None else seed + i)["text"]},
              "finish_reason": "stop"}
             for i in range(n)
         ]
-        return JSONResponse({"id": "chatcmpl-mock", "object": "chat.completion", "model": state.model, "choices": choices})
+        return 200, {"id": "chatcmpl-mock", "object": "chat.completion", "model": self.state.model, "choices": choices}
 
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": state.model, "object": "model", "owned_by": "vllm"}]})
+    async def models(self, raw: bytes) -> Answer:
+        return 200, {"object": "list", "data": [{"id": self.state.model, "object": "model", "owned_by": "vllm"}]}
 
-    async def health(request: Request) -> Response:
-        return Response(status_code=200)
+    async def health(self, raw: bytes) -> Answer:
+        return 200, b""
 
-    async def control(request: Request) -> Response:
-        body = await request.json()
+    async def control(self, raw: bytes) -> Answer:
+        state, body = self.state, json.loads(raw)
         if body.pop("reset", False):
             state.control = Control()
             state.unhang.set()
@@ -175,21 +199,63 @@ def build_app(state: State) -> FastAPI:
             state.max_in_flight = 0
         for key, value in body.items():
             if not hasattr(state.control, key):
-                return JSONResponse({"error": f"unknown control {key}"}, 400)
+                return 400, {"error": f"unknown control {key}"}
             setattr(state.control, key, value)
-        return JSONResponse(asdict(state.control))
+        return 200, asdict(state.control)
 
-    async def stats(request: Request) -> Response:
-        return JSONResponse({"requests": state.requests, "log": state.log, "max_in_flight": state.max_in_flight})
+    async def stats(self, raw: bytes) -> Answer:
+        s = self.state
+        return 200, {"requests": s.requests, "log": s.log, "max_in_flight": s.max_in_flight}
 
+
+def _encode(payload: Any) -> bytes:
+    return payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+
+
+def build_app(state: State) -> FastAPI:
+    behaviour = Behaviour(state)
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/_control", control, methods=["POST"])
-    app.add_api_route("/_stats", stats, methods=["GET"])
+
+    def route(method: str, path: str) -> None:
+        async def endpoint(request: Request) -> Response:
+            status, payload = await behaviour.handle(method, path, await request.body())
+            return Response(_encode(payload), status_code=status, media_type="application/json")
+
+        app.add_api_route(path, endpoint, methods=[method])
+
+    for method, path in behaviour.routes:
+        route(method, path)
     return app
+
+
+async def serve_raw(state: State, port: int) -> None:
+    """The same behaviour over a minimal HTTP/1.1 keep-alive server on asyncio streams: a
+    mock cheap enough that benchmarks measure the client, not the server."""
+    behaviour = Behaviour(state)
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                method, path, _ = line.decode("latin-1").split(" ", 2)
+                length = 0
+                while (header := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    name, _, value = header.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                body = await reader.readexactly(length) if length else b""
+                status, payload = await behaviour.handle(method, path, body)
+                data = _encode(payload)
+                writer.write(b"HTTP/1.1 %d MOCK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                             % (status, len(data)) + data)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(connection, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
 
 
 def free_port() -> int:
@@ -201,12 +267,12 @@ def free_port() -> int:
 class MockServer:
     """One mock server in its own process (so it can hang, or be killed by PID, for real)."""
 
-    def __init__(self, config_path: str | Path, startup_s: float = 30.0) -> None:
+    def __init__(self, config_path: str | Path, startup_s: float = 30.0, raw: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.root = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--port", str(self.port), "--config", str(config_path)],
+            [sys.executable, __file__, "--port", str(self.port), "--config", str(config_path)] + (["--raw"] if raw else []),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + startup_s
@@ -245,11 +311,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--config", required=True, help='JSON: {"answers": [{"ids", "text", "weight"}], "eos": id, "model": name}')
+    parser.add_argument("--raw", action="store_true", help="serve with the minimal asyncio HTTP layer (benchmarks)")
     args = parser.parse_args()
     with open(args.config, encoding="utf-8") as fh:
         cfg = json.load(fh)
     state = State(answers=cfg["answers"], eos=int(cfg["eos"]), model=cfg.get("model", "mock"))
-    uvicorn.run(build_app(state), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+    if args.raw:
+        asyncio.run(serve_raw(state, args.port))
+    else:
+        uvicorn.run(build_app(state), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 
 

@@ -174,6 +174,66 @@ def test_a_wrong_model_name_is_a_clear_error_not_retried(fresh, vocab_chat):
     assert fresh.stats()["requests"]["/v1/completions"] == 1
 
 
+# -- the documented answer shapes of SGLang and llama.cpp's server -----------------------
+
+
+def _replies(api, data, chat):
+    policy = OpenAICompletionsPolicy(ServerPool([ServerSpec("http://127.0.0.1:9/v1")]), "m", chat, api=api)
+    return [policy._reply(s) for s in policy.api.samples(data)]
+
+
+def test_sglang_generate_answers(vocab_chat):
+    eot = vocab_chat.end_of_turn_ids[0]
+    one = {"text": "hi", "output_ids": [5, 6, eot], "meta_info": {
+        "finish_reason": {"type": "stop", "matched": eot},
+        "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None], [-0.125, eot, None]]}}
+    (r,) = _replies("sglang", one, vocab_chat)
+    assert (r.completion_ids, r.logprobs, r.finish_reason) == ([5, 6, eot], [-0.5, -0.25, -0.125], "stop")
+    # n = 2: a list; one stopped on the end-of-turn token without returning it, one cut by max_new_tokens
+    two = [
+        {"text": "a", "meta_info": {"finish_reason": {"type": "stop", "matched": eot},
+                                    "output_token_logprobs": [[-0.5, 7, "a"]]}},
+        {"text": "b", "meta_info": {"finish_reason": {"type": "length", "length": 1},
+                                    "output_token_logprobs": [[-0.75, 8, "b"]]}},
+    ]
+    a, b = _replies("sglang", two, vocab_chat)
+    assert (a.completion_ids, a.logprobs, a.finish_reason) == ([7, eot], [-0.5, 0.0], "stop")
+    assert (b.completion_ids, b.logprobs, b.finish_reason) == ([8], [-0.75], "length")
+    with pytest.raises(ValueError, match="output_token_logprobs"):
+        _replies("sglang", {"text": "x", "meta_info": {"finish_reason": {"type": "stop"}}}, vocab_chat)
+
+
+def test_llama_cpp_server_completion_answers(vocab_chat):
+    eot = vocab_chat.end_of_turn_ids[0]
+    probs = [{"id": 5, "logprob": -0.5, "token": "x", "top_logprobs": []},
+             {"id": eot, "logprob": -0.25, "token": "", "top_logprobs": []}]
+    # the EOS scored in completion_probabilities but left out of `tokens`: taken with its logprob
+    (r,) = _replies("llamacpp", {"content": "x", "tokens": [5], "stop_type": "eos",
+                                 "completion_probabilities": probs}, vocab_chat)
+    assert (r.completion_ids, r.logprobs, r.finish_reason) == ([5, eot], [-0.5, -0.25], "stop")
+    (r,) = _replies("llamacpp", {"content": "x", "tokens": [5], "stop_type": "limit",
+                                 "completion_probabilities": probs[:1]}, vocab_chat)
+    assert (r.completion_ids, r.logprobs, r.finish_reason) == ([5], [-0.5], "length")
+    with pytest.raises(ValueError, match="disagree"):
+        _replies("llamacpp", {"tokens": [6], "stop_type": "limit", "completion_probabilities": probs[:1]}, vocab_chat)
+
+
+def test_request_bodies_state_a_neutral_sampler(vocab_chat):
+    """Servers apply their own defaults (vLLM the model's generation_config, llama-server
+    top_k 40 / min_p 0.05) unless told otherwise; the trainer must know the distribution."""
+    from blackjack_rl.policies.openai_completions import APIS, Sampling
+
+    vllm = APIS["vllm"].body("m", [1, 2], 16, 7, Sampling())
+    assert vllm["prompt"] == [1, 2] and vllm["n"] == 16 and vllm["seed"] == 7
+    assert vllm["logprobs"] == 0 and vllm["return_tokens_as_token_ids"] is True
+    assert (vllm["top_k"], vllm["min_p"], vllm["repetition_penalty"]) == (-1, 0.0, 1.0)
+    sglang = APIS["sglang"].body("m", [1, 2], 4, 7, Sampling())
+    assert sglang["input_ids"] == [1, 2] and sglang["return_logprob"] is True and sglang["sampling_params"]["n"] == 4
+    llama = APIS["llamacpp"].body("m", [1, 2], 1, 7, Sampling())
+    assert llama["prompt"] == [1, 2] and llama["return_tokens"] is True and llama["n_probs"] == 1
+    assert (llama["top_k"], llama["min_p"], llama["repeat_penalty"]) == (0, 0.0, 1.0)
+
+
 # -- the real llama-cpp-python server: no token ids, so the chat path --------------------
 
 

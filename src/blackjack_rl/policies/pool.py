@@ -218,19 +218,12 @@ class ServerPool:
             failed_on.append(server)
         raise InferenceError(f"request failed after {self.retries + 1} attempts; last error: {last_error}")
 
-    async def get(self, server_url: str, path: str) -> httpx.Response:
-        """One plain GET to one server, outside routing and retries (capability probes)."""
-        server = next((s for s in self._servers if s.url == server_url), None)
-        if server is None:
-            raise ValueError(f"{server_url} is not in the pool")
-        return await server.client.get(path)
-
-    async def post_to(self, server_url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def post_to(self, server_url: str, path: str, body: dict[str, Any], timeout: float = 30.0) -> httpx.Response:
         """One plain POST to one server, outside routing, retries and health (capability probes)."""
         server = next((s for s in self._servers if s.url == server_url), None)
         if server is None:
             raise ValueError(f"{server_url} is not in the pool")
-        return await server.client.post(path, json=body)
+        return await server.client.post(path, json=body, timeout=min(timeout, self.timeout))
 
     def healthy_urls(self) -> list[str]:
         return [s.url for s in self._servers if not s.quarantined_until]
