@@ -13,7 +13,8 @@ Why it looks like this:
 - A server that fails `quarantine_after` times in a row is taken out of rotation and
   probed (`GET /v1/models`) after a backoff that doubles with every relapse, until a
   real request succeeds again. With every server quarantined a request fails at once
-  with an error naming each server and its last error, instead of hanging.
+  with an error naming each server and its last error, instead of hanging (a probe
+  already under way is waited for, so a server that is back loses no work).
 - Nothing is logged on the success path; quarantine and recovery are logged once each.
 """
 
@@ -270,8 +271,8 @@ class ServerPool:
                 return server
             if self._closed:
                 raise InferenceError("the server pool is closed")
-            if not any(not s.quarantined_until for s in self._servers):
-                raise NoHealthyServer(self._none_healthy_message(loop.time()))
+            if not any(not s.quarantined_until for s in self._servers) and not any(s.probing for s in self._servers):
+                raise NoHealthyServer(self._none_healthy_message(loop.time()))  # (a probe under way is waited for)
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise ServerBusy(
@@ -377,6 +378,7 @@ class ServerPool:
             delay = min(self.max_quarantine_s, self.quarantine_s * 2**server.strikes)
             server.strikes += 1
             server.quarantined_until = asyncio.get_running_loop().time() + delay
+            self._wake_all()  # requests waiting on this probe now fail fast
 
     def _describe(self) -> str:
         return "; ".join(f"{s.url}: {s.in_flight}/{s.cap} in flight" for s in self._servers)
