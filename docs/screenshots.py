@@ -56,6 +56,9 @@ def main() -> None:
         first = page.locator("details.tokens").first
         first.locator("summary").click()
         page.wait_for_selector("details.tokens .tok span")
+        # the model's own (trained) tokens come last: show them, not the system prompt
+        page.eval_on_selector("details.tokens .tok", "el => { el.scrollTop = el.scrollHeight; }")
+        page.set_viewport_size({"width": 1280, "height": 1000})
         page.screenshot(path=str(args.out / "viewer.png"))
         page.close()
     for name in ("report.png", "report-mistakes.png", "compare.png", "viewer.png"):
