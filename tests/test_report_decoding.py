@@ -114,7 +114,7 @@ def test_a_real_server_constrained_by_schema_only_answers_valid_calls(gguf_path,
 
         async def main():
             try:
-                return [await play_episode(Table(Rules()), policy, vocab_chat, solution, seed) for seed in range(3)]
+                return [await play_episode(Table(Rules()), policy, vocab_chat, solution, seed) for seed in range(2)]
             finally:
                 await policy.aclose()
 

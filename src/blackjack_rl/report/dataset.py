@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from ..tokens import MASKED
 from .html import environment
@@ -252,9 +252,3 @@ def write_dataset_view(jsonl: Path, html: Path, tokenizer: Any | None = None, **
                 view.add(json.loads(line))
     return Path(html)
 
-
-def iter_groups(path: Path) -> Iterable[dict[str, Any]]:
-    with Path(path).open(encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                yield json.loads(line)
