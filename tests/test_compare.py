@@ -107,3 +107,8 @@ def test_compare_explains_what_is_missing(bot_runs, tmp_path):
     (tmp_path / "metrics.json").write_text((bot_runs / "optimal" / "metrics.json").read_text())
     proc = run("compare", str(bot_runs / "optimal"), str(tmp_path), check=False)
     assert proc.returncode == 2 and "without --no-samples" in " ".join(proc.stderr.split())
+
+
+def test_compare_has_help():
+    out = run("compare", "--help").stdout
+    assert "usage:" in out and "baseline" in out
