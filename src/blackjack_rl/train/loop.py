@@ -168,7 +168,8 @@ def _line(row: dict[str, Any], steps: int) -> str:
         f"step {row['step']:>4}/{steps}  score {score:+.3f}  valid {pct('valid_call_rate')}  "
         f"accuracy {pct('decision_accuracy')}  win {pct('win_rate')}  "
         f"trained {row.get('trained_groups', 0)}/{row['groups']} groups  "
-        f"sample {rate or 0:.0f} tok/s  train {train_rate or 0:.0f} tok/s  {row['seconds']:.0f}s"
+        f"sample {f'{rate:.0f}' if rate else '-'} tok/s  train {f'{train_rate:.0f}' if train_rate else '-'} tok/s  "
+        f"{row['seconds']:.0f}s"
         if score is not None
         else f"step {row['step']:>4}/{steps}  no groups"
     )
