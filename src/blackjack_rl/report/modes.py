@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+SCRIPTED = ("optimal", "random", "always_stick", "")  # bots name themselves; threshold bots "threshold-N"
+
 _SERVER_MODES = {
     "json_schema": "structured output (response_format json_schema)",
     "json_object": "structured output (response_format json_object with a schema)",
@@ -17,13 +19,16 @@ _SERVER_MODES = {
 def decoding_mode(params: dict[str, Any]) -> dict[str, str]:
     """{"kind": "constrained" | "unconstrained" | "scripted", "text": ...} for a run's generation_params."""
     policy = str(params.get("policy") or "")
-    if policy not in ("embedded", "openai"):
-        return {"kind": "scripted", "text": f"scripted bot ({policy or 'unknown'}): no model, no sampling"}
-    if policy == "embedded" and params.get("constrained"):
-        return {"kind": "constrained", "text": "constrained decoding: GBNF grammar in llama.cpp (every answer is a valid call)"}
-    mode = params.get("structured_output")
-    if policy == "openai" and params.get("constrained") and mode:
-        return {"kind": "constrained", "text": f"constrained decoding: {_SERVER_MODES.get(mode, mode)}"}
+    if policy in SCRIPTED or policy.startswith("threshold"):
+        return {"kind": "scripted", "text": f"scripted bot ({policy}): no model, no sampling"}
+    if params.get("constrained"):
+        if policy == "embedded":
+            return {"kind": "constrained",
+                    "text": "constrained decoding: GBNF grammar in llama.cpp (every answer is a valid call)"}
+        mode = params.get("structured_output")
+        if mode:
+            return {"kind": "constrained", "text": f"constrained decoding: {_SERVER_MODES.get(mode, mode)}"}
+        return {"kind": "constrained", "text": "constrained decoding"}
     return {"kind": "unconstrained", "text": "unconstrained sampling: the model writes its call freely"}
 
 

@@ -95,7 +95,8 @@ def outcome_bars(rows: Sequence[tuple[str, dict[str, float]]]) -> str:
         x += 70
     for i, (name, shares) in enumerate(rows):
         y = 24 + i * row_h
-        body.append(_text(label_w - 8, y + 15, name, "end", "#333"))
+        short = name if len(name) <= 16 else name[:15] + "…"
+        body.append(_text(label_w - 8, y + 15, short, "end", "#333"))
         left = 0.0
         for part in ("win", "draw", "loss", "invalid"):
             w = max(0.0, shares.get(part, 0.0))
