@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--report", type=Path, required=True, help="an evaluation folder (report.html)")
     parser.add_argument("--compare", type=Path, required=True, help="a compare folder (compare.html)")
     parser.add_argument("--viewer", type=Path, required=True, help="a process folder (groups.html)")
+    parser.add_argument("--also", action="append", default=[], metavar="NAME=RUN",
+                        help="another evaluation folder whose report goes to NAME.png")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -47,6 +49,14 @@ def main() -> None:
         _clip_until(page, "#strategy", args.out / "report.png")
         page.locator("#heatmaps").screenshot(path=str(args.out / "report-mistakes.png"))
         page.close()
+
+        extra = []
+        for item in args.also:
+            name, _, run = item.partition("=")
+            page = _open(context, Path(run) / "report.html")
+            _clip_until(page, "#strategy", args.out / f"{name}.png")
+            page.close()
+            extra.append(f"{name}.png")
 
         page = _open(context, args.compare / "compare.html")
         _clip_until(page, "section.comparison table.diffs", args.out / "compare.png")
@@ -61,7 +71,7 @@ def main() -> None:
         page.set_viewport_size({"width": 1280, "height": 1000})
         page.screenshot(path=str(args.out / "viewer.png"))
         page.close()
-    for name in ("report.png", "report-mistakes.png", "compare.png", "viewer.png"):
+    for name in ["report.png", "report-mistakes.png", "compare.png", "viewer.png", *extra]:
         print(args.out / name)
 
 
