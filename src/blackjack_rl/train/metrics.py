@@ -55,4 +55,5 @@ def eval_summary(metrics: Mapping[str, Any]) -> dict[str, Any]:
         "decision_accuracy": metrics["decision_accuracy"],
         "mean_reward": metrics["mean_reward"],
         "mean_regret": metrics["mean_regret"],
+        "reference": metrics.get("reference"),  # optimal, always stick, random: exact values and win rates
     }

@@ -55,6 +55,12 @@ def plot_log(log_path: Path, png_path: Path, title: str = "") -> Path:
             n = evals[0]["summary"]["episodes"]
             ax.errorbar(ex, mid, yerr=[lo, hi], fmt="o-", color="tab:red", capsize=4,
                         label=f"evaluation, {n} fixed deals (95% CI)")
+            reference = evals[-1]["summary"].get("reference") or {}
+            if eval_key == "win":
+                for name, style in (("optimal", "--"), ("always_stick", ":")):
+                    if name in reference:
+                        ax.axhline(reference[name]["win"], color="gray", linestyle=style, linewidth=1,
+                                   label=f"{name.replace('_', ' ')} (exact)")
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
