@@ -1,4 +1,4 @@
-"""The real embedded model (SmolLM2-135M-Instruct via llama.cpp): ids, masks, logprobs, grammar."""
+"""The real embedded model (SmolLM2-135M-Instruct via llama.cpp): ids, masks, logprobs, constrained decoding."""
 
 import asyncio
 

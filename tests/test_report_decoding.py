@@ -128,7 +128,7 @@ def test_a_real_server_constrained_by_schema_only_answers_valid_calls(gguf_path,
 
 
 @pytest.mark.embedded
-def test_the_report_of_the_embedded_model_says_it_was_grammar_constrained(tmp_path):
+def test_the_report_of_the_embedded_model_says_it_was_constrained(tmp_path):
     """Two real episodes through `evaluate --constrained`, the report opened in Chromium."""
     from blackjack_rl.report.chromium import browser_context
 
@@ -145,6 +145,6 @@ def test_the_report_of_the_embedded_model_says_it_was_grammar_constrained(tmp_pa
         page.goto((tmp_path / "report.html").as_uri())
         assert errors == []
         assert page.get_attribute("#mode", "data-mode") == "constrained"
-        assert "GBNF" in page.inner_text("#mode") and "SmolLM2" in page.inner_text("h1")
+        assert "restricted to the two valid calls" in page.inner_text("#mode") and "SmolLM2" in page.inner_text("h1")
         assert page.inner_text('[data-metric="mean_reward.mean"] >> nth=0') == f"{metrics['mean_reward']['mean']:+.4f}"
         assert "constrained decoding makes them impossible" in page.inner_text("#invalid")

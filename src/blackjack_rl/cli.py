@@ -105,7 +105,7 @@ def _add_play(p: argparse.ArgumentParser) -> None:
                    help="token ids via completions, or chat text; auto asks the servers (default with --server)")
     g.add_argument("--server-concurrency", type=int, help="requests in flight per server (default 128)")
     g.add_argument("--constrained", action="store_true", default=None,
-                   help="constrained decoding, every answer a valid call: a GBNF grammar (embedded) or the "
+                   help="constrained decoding, every answer a valid call: a token-level constraint to the two valid answers (embedded) or the "
                         "server's structured output (openai, see --structured-output); for play and evaluation")
     g.add_argument("--structured-output",
                    choices=["json_schema", "json_object", "structured_outputs", "guided_json", "tool_choice"],

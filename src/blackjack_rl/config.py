@@ -70,7 +70,7 @@ class PolicyConfig(_Section):
     timeout: float = Field(60.0, gt=0)
     retries: int = Field(2, ge=0, le=10)
     native_tools: bool = Field(False, description="send the tool schema as `tools` (server-side tool parser)")
-    constrained: bool = Field(False, description="grammar-constrained decoding: always a valid call (play/eval only)")
+    constrained: bool = Field(False, description="constrained decoding: always a valid call (play/eval only)")
     structured_output: Literal["json_schema", "json_object", "structured_outputs", "guided_json", "tool_choice"] = Field(
         "json_schema", description="how --constrained asks a chat server for structured output "
                                    "(json_schema: OpenAI/vLLM/SGLang/llama-server; json_object: llama-cpp-python; "

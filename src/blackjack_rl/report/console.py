@@ -66,7 +66,7 @@ def print_metrics(m: dict[str, Any], console: Console) -> None:
     mode = ""
     if policy.get("constrained"):
         server_mode = policy.get("structured_output")
-        mode = f" (constrained: {server_mode})" if server_mode else " (grammar-constrained)"
+        mode = f" (constrained: {server_mode})" if server_mode else " (constrained)"
     t = RichTable(title=f"Evaluation of {name}{mode}: {m['episodes']} fixed deals")
     t.add_column("metric")
     t.add_column("value (95% CI)", justify="right")

@@ -24,7 +24,7 @@ def decoding_mode(params: dict[str, Any]) -> dict[str, str]:
     if params.get("constrained"):
         if policy == "embedded":
             return {"kind": "constrained",
-                    "text": "constrained decoding: GBNF grammar in llama.cpp (every answer is a valid call)"}
+                    "text": "constrained decoding: tokens restricted to the two valid calls (every answer is a valid call)"}
         mode = params.get("structured_output")
         if mode:
             return {"kind": "constrained", "text": f"constrained decoding: {_SERVER_MODES.get(mode, mode)}"}
