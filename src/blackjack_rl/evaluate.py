@@ -65,7 +65,17 @@ def rate_ci(k: int, n: int) -> dict[str, float | None]:
     denom = 1 + Z95**2 / n
     centre = (p + Z95**2 / (2 * n)) / denom
     half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / denom
-    return {"rate": p, "ci95_low": max(0.0, centre - half), "ci95_high": min(1.0, centre + half)}
+    # exact at the edges, where rounding would leave a 1e-17 residue
+    low = 0.0 if k == 0 else max(0.0, centre - half)
+    high = 1.0 if k == n else min(1.0, centre + half)
+    return {"rate": p, "ci95_low": low, "ci95_high": high}
+
+
+def _expected_game_score(ep: Episode, invalid_score: float) -> float:
+    """V*(s0) minus regret for finished games (no format bonus), the invalid score otherwise."""
+    if ep.status != "finished":
+        return invalid_score
+    return ep.start_value - sum(d.regret for d in ep.decisions if d.regret is not None)
 
 
 def compute_metrics(episodes: Iterable[Episode], player: Player) -> dict[str, Any]:
@@ -92,9 +102,10 @@ def compute_metrics(episodes: Iterable[Episode], player: Player) -> dict[str, An
         "invalid": rate_ci(sum(invalid.values()), n),
         "invalid_by_reason": {reason: {"count": k, "rate": k / n} for reason, k in sorted(invalid.items())},
         # The game reward (invalid answers at the invalid score), whatever the training scoring mode.
-        "mean_reward": mean_ci([ep.scores.get("outcome", ep.score) for ep in played]),
+        "mean_reward": mean_ci([ep.reward if ep.status == "finished" else player.settings.invalid_score
+                                for ep in played]),
         # The same quantity estimated from Q*: unbiased, with far less noise from the cards.
-        "mean_expected_score": mean_ci([ep.scores.get("expected", ep.score) for ep in played]),
+        "mean_expected_score": mean_ci([_expected_game_score(ep, player.settings.invalid_score) for ep in played]),
         "mean_game_reward": mean_ci([ep.reward for ep in played if ep.status == "finished"]),
         "decisions": len(decisions),
         "valid_decisions": len(valid),
