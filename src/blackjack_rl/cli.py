@@ -238,19 +238,26 @@ def _cmd_solve(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _cmd_process(args: argparse.Namespace, console: Console) -> int:
-    from .runner import build_player, run_process
+def _with_player(settings, job):
+    """Build the player the settings describe, run `job(player)`, and always close the policy."""
+    from .runner import build_player
 
-    settings = settings_from_args(args)
     player = build_player(settings)
 
     async def main():
         try:
-            return await run_process(settings, player, progress=not args.quiet)
+            return await job(player)
         finally:
             await player.policy.aclose()
 
-    s = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def _cmd_process(args: argparse.Namespace, console: Console) -> int:
+    from .runner import run_process
+
+    settings = settings_from_args(args)
+    s = _with_player(settings, lambda player: run_process(settings, player, progress=not args.quiet))
     console.print(
         f"Wrote {s.groups_written} groups ({s.episodes} sequences played, {s.episodes_failed} failed"
         + (f", dropped {s.groups_dropped}" if s.groups_dropped else "")
@@ -261,18 +268,10 @@ def _cmd_process(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     from .report.console import print_metrics
-    from .runner import build_player, run_evaluate
+    from .runner import run_evaluate
 
     settings = settings_from_args(args)
-    player = build_player(settings)
-
-    async def main():
-        try:
-            return await run_evaluate(settings, player, progress=not args.quiet)
-        finally:
-            await player.policy.aclose()
-
-    metrics = asyncio.run(main())
+    metrics = _with_player(settings, lambda player: run_evaluate(settings, player, progress=not args.quiet))
     print_metrics(metrics, console)
     console.print(f"Metrics in [bold]{settings.out}/metrics.json[/bold]"
                   + (f", every episode in [bold]{settings.out}/samples.jsonl[/bold]" if settings.evaluate.samples else "")
@@ -295,7 +294,6 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
-    from .runner import build_player
     from .serve import serve
 
     settings = settings_from_args(args)
@@ -306,16 +304,8 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         except ImportError as exc:
             raise ValueError("--wandb-project needs wandb: pip install 'blackjack-rl[wandb]'") from exc
         wandb_run = wandb.init(project=args.wandb_project, config=settings.model_dump(mode="json"))
-    player = build_player(settings)
-
-    async def main():
-        try:
-            return await serve(settings, player, wandb_run)
-        finally:
-            await player.policy.aclose()
-
     logging.getLogger("blackjack_rl").setLevel(logging.INFO)
-    stats = asyncio.run(main())
+    stats = _with_player(settings, lambda player: serve(settings, player, wandb_run))
     console.print(f"Sent {stats.groups_sent} groups ({stats.groups_parked} parked in {settings.out}/outbox.sqlite, "
                   f"{stats.groups_rejected} refused, dropped {stats.groups_dropped or 0}); "
                   f"{stats.episodes} episodes, {stats.episodes_failed} failed. Log: {settings.out}/serve_metrics.jsonl")
