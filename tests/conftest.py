@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
 import pytest
 
 from blackjack_rl.game import Rules
@@ -48,3 +54,35 @@ def hf_tokenizer_dir(tmp_path_factory, gguf_path):
     from gguf_tokenizer import build_hf_tokenizer
 
     return build_hf_tokenizer(gguf_path, tmp_path_factory.mktemp("smollm2-tokenizer"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def llama_server(gguf_path):
+    """llama-cpp-python's real OpenAI-compatible server on the embedded GGUF, model alias `smollm2`."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1",
+         "--port", str(port), "--n_ctx", "2048", "--verbose", "False", "--model_alias", "smollm2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            raise RuntimeError("llama_cpp.server did not come up in 60 s")
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -7,11 +7,7 @@ real llama-cpp-python server, which cannot return token ids and must fall back t
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 
 from blackjack_rl.groups import Player, play_group
@@ -19,7 +15,7 @@ from blackjack_rl.policies.base import InferenceError, Turn
 from blackjack_rl.policies.openai_completions import CHAT_PATH, COMPLETIONS_PATH, OpenAICompletionsPolicy
 from blackjack_rl.policies.pool import ServerPool, ServerSpec
 from blackjack_rl.tokens import MASKED, ChatFormat, HFTokenizer, trained_spans
-from mock_openai_server import MockServer, blackjack_answers, free_port, write_config
+from mock_openai_server import MockServer, blackjack_answers, write_config
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -237,36 +233,11 @@ def test_request_bodies_state_a_neutral_sampler(vocab_chat):
 # -- the real llama-cpp-python server: no token ids, so the chat path --------------------
 
 
-@pytest.fixture(scope="module")
-def llama_cpp_python_server(gguf_path):
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1",
-         "--port", str(port), "--n_ctx", "2048", "--verbose", "False", "--model_alias", "smollm2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/models", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            raise RuntimeError("llama_cpp.server did not come up in 60 s")
-        yield url
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-
-
 @pytest.mark.embedded
 @pytest.mark.parametrize("api", ["vllm", "sglang", "llamacpp"])
-def test_llama_cpp_python_cannot_return_token_ids_so_chat_is_used(llama_cpp_python_server, hf_tokenizer_dir, api):
+def test_llama_cpp_python_cannot_return_token_ids_so_chat_is_used(llama_server, hf_tokenizer_dir, api):
     chat = ChatFormat.learn(HFTokenizer(str(hf_tokenizer_dir)))
-    pool = ServerPool([ServerSpec(llama_cpp_python_server)], timeout=60)
+    pool = ServerPool([ServerSpec(llama_server)], timeout=60)
     policy = OpenAICompletionsPolicy(pool, "smollm2", chat, api=api, max_tokens=24)
 
     async def main():
@@ -277,14 +248,14 @@ def test_llama_cpp_python_cannot_return_token_ids_so_chat_is_used(llama_cpp_pyth
 
     reply = asyncio.run(main())
     assert policy.token_path == CHAT_PATH
-    assert llama_cpp_python_server in policy.generation_params()["token_path_reason"]
+    assert llama_server in policy.generation_params()["token_path_reason"]
     assert reply.completion_ids is None and reply.text
 
 
 @pytest.mark.embedded
-def test_groups_through_llama_cpp_python_record_the_chat_path(llama_cpp_python_server, hf_tokenizer_dir, solution):
+def test_groups_through_llama_cpp_python_record_the_chat_path(llama_server, hf_tokenizer_dir, solution):
     chat = ChatFormat.learn(HFTokenizer(str(hf_tokenizer_dir)))
-    pool = ServerPool([ServerSpec(llama_cpp_python_server)], timeout=60, max_concurrency=1)
+    pool = ServerPool([ServerSpec(llama_server)], timeout=60, max_concurrency=1)
     policy = OpenAICompletionsPolicy(pool, "smollm2", chat, max_tokens=24)
     (result,) = play_groups(policy, chat, solution, [5], 3)  # the server ignores n: topped up
     assert not any(ep.failed for ep in result.episodes), [ep.error for ep in result.episodes]

@@ -1,12 +1,8 @@
 """The OpenAI-compatible server policy against llama.cpp's real server serving the embedded GGUF."""
 
 import asyncio
-import socket
-import subprocess
-import sys
 import time
 
-import httpx
 import pytest
 
 from blackjack_rl.episode import play_episode
@@ -14,39 +10,9 @@ from blackjack_rl.game import Rules, Table
 from blackjack_rl.policies.base import InferenceError, Turn
 from blackjack_rl.policies.openai_chat import OpenAIChatPolicy
 from blackjack_rl.tokens import ChatFormat, HFTokenizer, trained_spans
+from conftest import free_port
 
 pytestmark = pytest.mark.embedded
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def llama_server(gguf_path):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1",
-         "--port", str(port), "--n_ctx", "2048", "--verbose", "False", "--model_alias", "smollm2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/models", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            raise RuntimeError("llama_cpp.server did not come up in 60 s")
-        yield url
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def test_episodes_through_a_real_chat_server(llama_server, hf_tokenizer_dir, solution):
@@ -69,7 +35,7 @@ def test_episodes_through_a_real_chat_server(llama_server, hf_tokenizer_dir, sol
 
 
 def test_unreachable_server_is_an_inference_failure_not_a_result(solution, vocab_chat):
-    policy = OpenAIChatPolicy(f"http://127.0.0.1:{_free_port()}/v1", "m", retries=1, timeout=2)
+    policy = OpenAIChatPolicy(f"http://127.0.0.1:{free_port()}/v1", "m", retries=1, timeout=2)
 
     async def main():
         try:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -84,44 +82,18 @@ def test_structured_output_reaches_the_server_and_is_reported(mode, solution, vo
     assert decoding_mode(plain)["kind"] == "unconstrained"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.embedded
-def test_a_real_server_constrained_by_schema_only_answers_valid_calls(gguf_path, solution, vocab_chat):
+def test_a_real_server_constrained_by_schema_only_answers_valid_calls(llama_server, solution, vocab_chat):
     """llama-cpp-python's server takes `response_format: json_object` with a schema and turns it into a grammar."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1",
-         "--port", str(port), "--n_ctx", "2048", "--verbose", "False", "--model_alias", "smollm2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/models", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "llama_cpp.server did not come up in 60 s"
-            time.sleep(0.2)
-        policy = OpenAIChatPolicy(url, "smollm2", max_tokens=48, structured_output="json_object", timeout=60)
+    policy = OpenAIChatPolicy(llama_server, "smollm2", max_tokens=48, structured_output="json_object", timeout=60)
 
-        async def main():
-            try:
-                return [await play_episode(Table(Rules()), policy, vocab_chat, solution, seed) for seed in range(2)]
-            finally:
-                await policy.aclose()
+    async def main():
+        try:
+            return [await play_episode(Table(Rules()), policy, vocab_chat, solution, seed) for seed in range(2)]
+        finally:
+            await policy.aclose()
 
-        episodes = asyncio.run(main())
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
+    episodes = asyncio.run(main())
     for ep in episodes:
         assert ep.status == "finished", (ep.status, ep.invalid_reason, ep.error, ep.messages[-1])
         assert all(d.action is not None for d in ep.decisions)
