@@ -129,6 +129,17 @@ def _add_play(p: argparse.ArgumentParser) -> None:
     _add_rules(p)
 
 
+def _add_grouping(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--group-size", type=int, help="episodes per group (default 16)")
+    p.add_argument("--drop-equal-scores", action="store_true", default=None,
+                   help="skip groups whose scores are all equal (no GRPO signal)")
+    p.add_argument("--group-by", choices=["episode", "step"],
+                   help="episode: whole episodes on one deal (default); step: one group per decision, "
+                        "each answer scored by Q*(s, a); each sequence is the shared prompt plus one answer")
+    p.add_argument("--continue-with", choices=["sampled", "best"],
+                   help="step groups: which answer the canonical episode continues with (default sampled)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blackjack-rl",
@@ -147,14 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "OUT/groups.jsonl, one Atropos ScoredDataGroup a line, and OUT/groups.html.")
     _add_play(p)
     p.add_argument("--groups", type=int, help="number of groups (default 8)")
-    p.add_argument("--group-size", type=int, help="episodes per group (default 16)")
-    p.add_argument("--drop-equal-scores", action="store_true", default=None,
-                   help="skip groups whose scores are all equal (no GRPO signal)")
-    p.add_argument("--group-by", choices=["episode", "step"],
-                   help="episode: whole episodes on one deal (default); step: one group per decision, "
-                        "each answer scored by Q*(s, a); each sequence is the shared prompt plus one answer")
-    p.add_argument("--continue-with", choices=["sampled", "best"],
-                   help="step groups: which answer the canonical episode continues with (default sampled)")
+    _add_grouping(p)
 
     p = sub.add_parser("evaluate", help="play the fixed evaluation deals and report metrics",
                        description="Play the fixed evaluation seeds and write OUT/metrics.json and OUT/samples.jsonl.")
@@ -168,14 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "API cannot take are parked in OUT/outbox.sqlite and sent when it returns. "
                                    "Metrics go to OUT/serve_metrics.jsonl. SIGTERM drains, flushes and disconnects.")
     _add_play(p)
-    p.add_argument("--group-size", type=int, help="episodes per group (default 16)")
-    p.add_argument("--drop-equal-scores", action="store_true", default=None,
-                   help="skip groups whose scores are all equal (no GRPO signal)")
-    p.add_argument("--group-by", choices=["episode", "step"],
-                   help="episode: whole episodes on one deal (default); step: one group per decision, "
-                        "each answer scored by Q*(s, a); each sequence is the shared prompt plus one answer")
-    p.add_argument("--continue-with", choices=["sampled", "best"],
-                   help="step groups: which answer the canonical episode continues with (default sampled)")
+    _add_grouping(p)
     g = p.add_argument_group("trajectory API")
     g.add_argument("--api-url", help="default http://127.0.0.1:8000")
     g.add_argument("--api-token", help="bearer token (or BLACKJACK_RL_SERVE__API_TOKEN)")
