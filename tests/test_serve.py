@@ -26,7 +26,21 @@ def start_serve(api_url: str, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def pull(trainer: TrainerClient, want_groups: int, timeout_s: float, seen: list) -> None:
+class Pulled(list):
+    """Groups received by the trainer, and the ids of the batches they came in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_ids: set[int] = set()
+
+
+def pull(trainer: TrainerClient, want_groups: int, timeout_s: float, seen: Pulled) -> None:
+    """Pull batches until `seen` holds want_groups groups; a batch counts once, by batch_id.
+
+    A batch can be redelivered after an API restart even if its first delivery was lost
+    on the way (the API was killed mid-response), so redelivery alone is no reason to skip.
+    """
+    ids = seen.batch_ids
     deadline = time.monotonic() + timeout_s
     while len(seen) < want_groups and time.monotonic() < deadline:
         try:
@@ -37,7 +51,8 @@ def pull(trainer: TrainerClient, want_groups: int, timeout_s: float, seen: list)
         if batch is None:
             time.sleep(0.1)
             continue
-        if not batch.redelivered:
+        if batch.batch_id not in ids:
+            ids.add(batch.batch_id)
             seen.extend(batch.groups)
 
 
@@ -55,7 +70,7 @@ def test_serve_feeds_a_trainer(tmp_path):
         trainer = TrainerClient(api.url)
         trainer.register({**ATROPOS_REGISTRATION, "batch_size": 8})
         serve = start_serve(api.url, tmp_path / "w", "--max-groups", "6")
-        seen: list = []
+        seen = Pulled()
         pull(trainer, 6, 60, seen)
         out, _ = serve.communicate(timeout=60)
         assert serve.returncode == 0, out
@@ -79,7 +94,7 @@ def test_api_down_while_serving_loses_nothing(tmp_path):
         trainer = TrainerClient(api.url)
         trainer.register({**ATROPOS_REGISTRATION, "batch_size": 4})
         serve = start_serve(api.url, tmp_path / "w", "--max-groups", "12", "--max-batches-offpolicy", "2")
-        seen: list = []
+        seen = Pulled()
         pull(trainer, 2, 60, seen)
         assert len(seen) >= 2
         api.kill()  # kill -9: the worker must park finished groups in its outbox
@@ -103,7 +118,7 @@ def test_evaluates_as_the_trainer_steps_and_drains_on_sigterm(tmp_path):
         trainer = TrainerClient(api.url)
         trainer.register({**ATROPOS_REGISTRATION, "batch_size": 8})
         serve = start_serve(api.url, tmp_path / "w", "--steps-per-eval", "1", "--eval-episodes", "20")
-        seen: list = []
+        seen = Pulled()
         pull(trainer, 4, 60, seen)  # two trainer steps
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(r["kind"] == "eval" for r in metrics_rows(tmp_path / "w")):
