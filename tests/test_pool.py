@@ -264,7 +264,7 @@ def test_a_server_that_dies_mid_run(config, vocab_chat, solution):
     # the survivor stays healthy; whether the victim is already quarantined depends on
     # how many requests reached it after it died, which is timing
     assert snap[survivor.url]["healthy"]
-    assert snap[victim.url]["requests"] > snap[victim.url]["errors"] > 0  # it served, then died
+    assert snap[victim.url]["requests"] > 0  # it served before it died
 
 
 def test_the_only_server_dies_mid_run(config, vocab_chat, solution):

@@ -239,7 +239,10 @@ class Worker:
         if self._eval_task is not None and not self._eval_task.done():
             self._eval_task.cancel()
         if self.client.outbox is not None and self.client.outbox.pending_posts():
-            flushed = await self.client.flush_outbox(RetryPolicy(attempts=3, max_elapsed_s=10.0))
+            # Patient, like the drain: an API that is restarting should still get these now;
+            # whatever it cannot take stays parked on disk for the next start.
+            patience = RetryPolicy(attempts=1000, max_delay_s=2.0, max_elapsed_s=max(5.0, self.cfg.drain_timeout))
+            flushed = await self.client.flush_outbox(patience)
             self.stats.groups_sent += flushed.sent_groups
             self.stats.groups_parked = flushed.parked_groups
         try:
