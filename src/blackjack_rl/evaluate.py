@@ -24,8 +24,9 @@ EVAL_SEED_BASE = 10**12
 Z95 = 1.959963984540054
 
 
-def eval_seeds(n: int) -> range:
-    return range(EVAL_SEED_BASE, EVAL_SEED_BASE + n)
+def eval_seeds(n: int, first: int = 0) -> range:
+    """Evaluation deals first..first+n-1 (a shard of a larger evaluation starts past 0)."""
+    return range(EVAL_SEED_BASE + first, EVAL_SEED_BASE + first + n)
 
 
 async def run_evaluation(
@@ -33,8 +34,9 @@ async def run_evaluation(
     episodes: int,
     concurrency: int = 64,
     on_episode: Callable[[Episode], None] | None = None,
+    first: int = 0,
 ) -> list[Episode]:
-    """Play `episodes` fixed deals, `concurrency` at a time; results in seed order."""
+    """Play `episodes` fixed deals from deal `first` on, `concurrency` at a time; results in seed order."""
     limiter = asyncio.Semaphore(concurrency)
 
     async def one(seed: int) -> Episode:
@@ -44,7 +46,7 @@ async def run_evaluation(
             on_episode(ep)
         return ep
 
-    return list(await asyncio.gather(*(one(s) for s in eval_seeds(episodes))))
+    return list(await asyncio.gather(*(one(s) for s in eval_seeds(episodes, first))))
 
 
 def mean_ci(values: list[float]) -> dict[str, float | None]:

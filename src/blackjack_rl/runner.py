@@ -8,12 +8,12 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from tqdm import tqdm
 
 from .config import Settings
-from .episode import EpisodeSettings
+from .episode import Episode, EpisodeSettings
 from .evaluate import compute_metrics, run_evaluation
 from .groups import GroupResult, Player, play_deal
 from .solver import solve
@@ -132,16 +132,34 @@ class ProcessSummary:
     seconds: float
 
 
-async def run_process(settings: Settings, player: Player, progress: bool = True) -> ProcessSummary:
+# Plays deals elsewhere (see cluster.shards): seeds in, each deal's results out, in seed order.
+DealSource = Callable[[list[int]], AsyncIterator[list[GroupResult]]]
+# Plays the first n evaluation deals elsewhere, calling advance(k) as k more finish; episodes in seed order.
+EpisodeSource = Callable[[int, Callable[[int], Any]], Awaitable[list[Episode]]]
+
+
+async def _local_deals(settings: Settings, player: Player, seeds: list[int]) -> AsyncIterator[list[GroupResult]]:
+    g = settings.groups
+    limiter = asyncio.Semaphore(g.concurrency)
+    # Enough groups in flight to keep `concurrency` episodes busy; yielded in seed order.
+    window = max(1, g.concurrency // g.group_size) + 1
+    pending: list[asyncio.Task[list[GroupResult]]] = []
+    next_seed = 0
+    while next_seed < len(seeds) or pending:
+        while next_seed < len(seeds) and len(pending) < window:
+            pending.append(asyncio.create_task(play_deal(player, seeds[next_seed], g, limiter)))
+            next_seed += 1
+        yield await pending.pop(0)
+
+
+async def run_process(settings: Settings, player: Player, progress: bool = True,
+                      deals: DealSource | None = None) -> ProcessSummary:
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "groups.jsonl"
-    g = settings.groups
     seeds = group_seeds(settings.seed, settings.process.groups)
-    limiter = asyncio.Semaphore(g.concurrency)
-    # Enough groups in flight to keep `concurrency` episodes busy; written in seed
-    # order so the same --seed writes the same file.
-    window = max(1, g.concurrency // g.group_size) + 1
+    # written in seed order, so the same --seed writes the same file
+    results = deals(seeds) if deals is not None else _local_deals(settings, player, seeds)
     dropped: dict[str, int] = {}
     written = episodes = failed = 0
     t0 = time.perf_counter()
@@ -151,13 +169,8 @@ async def run_process(settings: Settings, player: Player, progress: bool = True)
     # The viewer grows with the file (one chunk at a time), never rebuilt from it.
     view = DatasetView(out / "groups.html", player.chat.backend, source=path.name)
     with path.open("w", encoding="utf-8") as fh:
-        pending: list[asyncio.Task[list[GroupResult]]] = []
-        next_seed = 0
-        while next_seed < len(seeds) or pending:
-            while next_seed < len(seeds) and len(pending) < window:
-                pending.append(asyncio.create_task(play_deal(player, seeds[next_seed], g, limiter)))
-                next_seed += 1
-            for result in await pending.pop(0):
+        async for deal_results in results:
+            for result in deal_results:
                 # step groups carry per-answer metadata, not Episode records
                 episodes += len(result.episodes) if result.episodes else len((result.group or {}).get("scores", []))
                 failed += sum(ep.failed for ep in result.episodes)
@@ -186,13 +199,17 @@ def episode_rows(episodes) -> list[dict[str, Any]]:
     return rows
 
 
-async def run_evaluate(settings: Settings, player: Player, progress: bool = True) -> dict[str, Any]:
+async def run_evaluate(settings: Settings, player: Player, progress: bool = True,
+                       play: EpisodeSource | None = None) -> dict[str, Any]:
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     n = settings.evaluate.episodes
     bar = tqdm(total=n, desc="episodes", unit="ep", disable=not progress)
     t0 = time.perf_counter()
-    episodes = await run_evaluation(player, n, settings.evaluate.concurrency, on_episode=lambda ep: bar.update(1))
+    if play is not None:
+        episodes = await play(n, bar.update)
+    else:
+        episodes = await run_evaluation(player, n, settings.evaluate.concurrency, on_episode=lambda ep: bar.update(1))
     bar.close()
     seconds = time.perf_counter() - t0
     metrics = compute_metrics(episodes, player)
