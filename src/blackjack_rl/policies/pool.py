@@ -15,14 +15,23 @@ Why it looks like this:
   real request succeeds again. With every server quarantined a request fails at once
   with an error naming each server and its last error, instead of hanging (a probe
   already under way is waited for, so a server that is back loses no work).
+- Sticky routing: a request may carry a routing key (`affinity_key`: the episode's first
+  user message, so every turn of an episode and every answer of a group's shared prompt
+  share it). Keyed requests go to the key's first choice by weighted rendezvous hashing
+  while it is healthy and below its cap, so that server's prefix cache holds the
+  episode's history; otherwise to the key's next choice, in the same order for every
+  request of the key (so a failover moves a key once, to one place). No table of keys is
+  kept: every process sharing the server list routes a key to the same server.
 - Nothing is logged on the success path; quarantine and recovery are logged once each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import math
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -91,6 +100,36 @@ class ServerSpec:
             raise ValueError(f"--server {text!r}: expected URL or URL,WEIGHT with a positive number ({exc})") from exc
 
 
+def affinity_key(messages: Sequence[dict]) -> str | None:
+    """The routing key of a conversation: its first user message.
+
+    Every turn of an episode and every answer of a group start with it, and everything a
+    server can reuse from its prefix cache follows the (shared) system prompt and it; two
+    deals that open on the same hand share it too, and so share that prefix. None (no
+    user message yet): routed by load alone.
+    """
+    for message in messages:
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            return content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+    return None
+
+
+def rendezvous_order(key: str, urls: Sequence[str], weights: Sequence[float]) -> list[int]:
+    """Server indices, best first, by weighted rendezvous (highest-random-weight) hashing.
+
+    Each server's score is -weight / ln(u), u uniform in (0, 1) from a hash of (key, url):
+    a key's first choice is server i with probability weight_i / sum(weights), and removing
+    a server moves only the keys that chose it. The hash is stable across processes.
+    """
+    scores = []
+    for i, (url, weight) in enumerate(zip(urls, weights)):
+        digest = hashlib.blake2b(f"{url}\x00{key}".encode(), digest_size=8).digest()
+        u = (int.from_bytes(digest, "big") + 0.5) / 2**64
+        scores.append((-weight / math.log(u), i))
+    return [i for _, i in sorted(scores, reverse=True)]
+
+
 def server_root(url: str) -> str:
     """The server's root URL: OpenAI routes live under `/v1`, native ones (SGLang, llama.cpp) at the root."""
     url = url.rstrip("/")
@@ -101,7 +140,7 @@ class _Server:
     """Mutable per-server state; only touched from the event loop, so no locks."""
 
     __slots__ = ("url", "root", "weight", "cap", "client", "in_flight", "failures", "strikes",
-                 "quarantined_until", "probing", "last_error", "requests", "errors")
+                 "quarantined_until", "probing", "last_error", "requests", "errors", "keyed", "spilled_in")
 
     def __init__(self, spec: ServerSpec, cap: int, client: httpx.AsyncClient) -> None:
         self.url = spec.url
@@ -117,6 +156,8 @@ class _Server:
         self.last_error = ""
         self.requests = 0
         self.errors = 0
+        self.keyed = 0  # keyed requests served here as the key's first choice
+        self.spilled_in = 0  # keyed requests served here although another server was the key's first choice
 
 
 class ServerPool:
@@ -138,6 +179,7 @@ class ServerPool:
         backoff_s: float = 0.25,
         max_backoff_s: float = 8.0,
         probe_path: str = "/v1/models",
+        sticky: bool = True,
     ) -> None:
         if not servers:
             raise ValueError("the server pool needs at least one server (--server URL[,WEIGHT])")
@@ -152,6 +194,7 @@ class ServerPool:
         self.quarantine_s, self.max_quarantine_s = quarantine_s, max_quarantine_s
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.probe_path = probe_path
+        self.sticky = sticky
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._servers: list[_Server] = []
         for spec in servers:
@@ -167,26 +210,31 @@ class ServerPool:
         self._tasks: set[asyncio.Task[None]] = set()
         self._turn = 0  # rotates ties, so equally loaded servers share the work
         self._closed = False
+        self._orders: dict[str, tuple[int, ...]] = {}  # key -> rendezvous order (bounded, see _order)
 
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self._servers]
 
-    async def post(self, path: str, body: dict[str, Any]) -> Any:
+    async def post(self, path: str, body: dict[str, Any], key: str | None = None) -> Any:
         """POST `body` as JSON to `path` (relative to a server's root) and return the decoded answer.
 
-        Raises InferenceError (or its subclasses NoHealthyServer, ServerBusy) with a message
+        `key` (see `affinity_key`) routes the request stickily; without it, a chat body's
+        first user message is the key. Raises InferenceError (or its subclasses NoHealthyServer, ServerBusy) with a message
         that says what failed and what to check; never returns a partial answer.
         """
         if self._closed:
             raise InferenceError("the server pool is closed")
         content = _dumps(body)
+        if key is None and self.sticky and isinstance(body.get("messages"), list):
+            key = affinity_key(body["messages"])
+        order = self._order(key) if self.sticky and key is not None else None
         failed_on: list[_Server] = []
         last_error = ""
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self._backoff(attempt))
-            server = await self._acquire(failed_on)
+            server = await self._acquire(failed_on, order)
             try:
                 response = await server.client.post(path, content=content, headers=_JSON_HEADERS)
             except httpx.TimeoutException as exc:
@@ -240,6 +288,8 @@ class ServerPool:
                 "healthy": not s.quarantined_until,
                 "requests": s.requests,
                 "errors": s.errors,
+                "sticky_first_choice": s.keyed,
+                "sticky_spilled_in": s.spilled_in,
                 "last_error": s.last_error or None,
             }
             for s in self._servers
@@ -259,12 +309,22 @@ class ServerPool:
 
     # -- routing -------------------------------------------------------------------
 
-    async def _acquire(self, avoid: Iterable[_Server]) -> _Server:
-        """Take one slot on the least-loaded healthy server; wait (bounded) if all are at their cap."""
+    def _order(self, key: str) -> tuple[int, ...]:
+        order = self._orders.get(key)
+        if order is None:
+            if len(self._orders) >= 65536:  # keys are hands, so few; bound it anyway
+                self._orders.clear()
+            order = self._orders[key] = tuple(
+                rendezvous_order(key, [s.url for s in self._servers], [s.weight for s in self._servers]))
+        return order
+
+    async def _acquire(self, avoid: Iterable[_Server], order: tuple[int, ...] | None = None) -> _Server:
+        """Take one slot: on the key's first usable choice when `order` is given, else on the
+        least-loaded healthy server; wait (bounded) if all are at their cap."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.acquire_timeout
         while True:
-            server = self._pick(loop.time(), avoid)
+            server = self._pick(loop.time(), avoid) if order is None else self._pick_sticky(loop.time(), avoid, order)
             if server is not None:
                 server.in_flight += 1
                 server.requests += 1
@@ -314,6 +374,35 @@ class ServerPool:
             if score < best_score:
                 best, best_score = s, score
         return best
+
+    def _pick_sticky(self, now: float, avoid: Iterable[_Server], order: tuple[int, ...]) -> _Server | None:
+        """The first server of the key's order that is healthy, below its cap and not already
+        failed for this request; a server failed for it only when no other has room."""
+        avoid = tuple(avoid)
+        fallback: _Server | None = None
+        for rank, i in enumerate(order):
+            s = self._servers[i]
+            if s.quarantined_until:
+                if now >= s.quarantined_until and not s.probing and not self._closed:
+                    self._spawn_probe(s)
+                continue
+            if s.in_flight >= s.cap:
+                continue
+            if avoid and s in avoid:
+                fallback = fallback or s
+                continue
+            self._count_keyed(s, rank)
+            return s
+        if fallback is not None:
+            self._count_keyed(fallback, order.index(self._servers.index(fallback)))
+        return fallback
+
+    @staticmethod
+    def _count_keyed(server: _Server, rank: int) -> None:
+        if rank == 0:
+            server.keyed += 1
+        else:
+            server.spilled_in += 1
 
     def _release(self, server: _Server) -> None:
         server.in_flight -= 1
