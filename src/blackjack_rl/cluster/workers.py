@@ -1,0 +1,232 @@
+"""`serve --ray --workers N`: N environment workers as Ray actors, supervised, feeding one trajectory API.
+
+Why it looks like this:
+- Each actor runs the ordinary worker (`serve.serve`) with its own worker id
+  (`ID-0` ... `ID-(N-1)`) and its own output folder `OUT/<worker id>/`: its deals, its
+  outbox and its position in its seed stream live there, so a restarted worker (same
+  id, same folder) continues where the dead one stopped and re-sends what it had
+  parked. On several nodes, OUT must be a shared filesystem for that (docs/cluster.md).
+- The actor runs `serve` on its main thread (a one-at-a-time actor), so the worker's own
+  SIGTERM handling is the drain: stopping the command sends SIGTERM to every worker
+  process, through a zero-CPU task pinned to that worker's node, and each one finishes
+  its groups in flight, flushes its outbox and disconnects, exactly as a `serve` process does.
+- The driver restarts a worker whose actor or node died (up to `max_restarts` times per
+  worker, with a short backoff), and stops them all on one Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..config import Settings
+from ..serve import ServeStats
+from . import connected, node_failure_errors
+
+log = logging.getLogger(__name__)
+
+RESTART_BACKOFF_S = 1.0
+
+
+class ServeWorker:
+    """One Ray actor: one `serve` worker. Run with max_concurrency=1, so `run` owns the main thread."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = Settings(**settings)
+
+    def where(self) -> tuple[str, int]:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def run(self) -> ServeStats:
+        from ..runner import build_player
+        from ..serve import serve
+
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+        async def main() -> ServeStats:
+            player = build_player(self.settings)
+            try:
+                return await serve(self.settings, player)
+            finally:
+                await player.policy.aclose()
+
+        return asyncio.run(main())
+
+
+def _terminate(pid: int) -> bool:
+    """Runs on the worker's node: SIGTERM to the worker process (serve's drain)."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@dataclass
+class _Slot:
+    worker_id: str
+    payload: dict[str, Any]
+    handle: Any = None
+    node: str | None = None
+    pid: int | None = None
+    run: asyncio.Future[Any] | None = None
+    restarts: int = 0
+    stats: list[ServeStats] = field(default_factory=list)
+
+
+@dataclass
+class ClusterServeStats:
+    """Totals over every worker and every restart (a dead actor's own counts die with it)."""
+
+    workers: int
+    restarts: int
+    totals: ServeStats
+    per_worker: dict[str, ServeStats]
+
+
+def worker_ids(base: str | None, n: int) -> list[str]:
+    base = base or socket.gethostname()
+    return [f"{base}-{i}" for i in range(n)]
+
+
+class Supervisor:
+    def __init__(self, ray: Any, settings: Settings) -> None:
+        self.ray = ray
+        self.settings = settings
+        r = settings.ray
+        self.cpus, self.max_restarts = r.cpus, r.max_restarts
+        self._remote = ray.remote(ServeWorker)
+        self._terminate = ray.remote(num_cpus=0, max_retries=0)(_terminate)
+        self.slots: list[_Slot] = []
+        for wid in worker_ids(settings.serve.worker_id, r.workers):
+            payload = settings.model_dump(mode="json")
+            payload["serve"]["worker_id"] = wid
+            payload["out"] = str(Path(settings.out) / wid)
+            if payload["policy"]["n_threads"] is None:
+                payload["policy"]["n_threads"] = max(1, int(self.cpus))
+            self.slots.append(_Slot(wid, payload))
+        self.stopping = asyncio.Event()
+
+    async def _start(self, slot: _Slot) -> None:
+        slot.handle = self._remote.options(num_cpus=self.cpus, max_restarts=0, max_concurrency=1).remote(slot.payload)
+        slot.run = None
+        try:
+            slot.node, slot.pid = await asyncio.wrap_future(slot.handle.where.remote().future())
+        except node_failure_errors(self.ray) as exc:  # died before it started: the loop restarts it
+            slot.run = asyncio.get_running_loop().create_future()
+            slot.run.set_exception(exc)
+            return
+        slot.run = asyncio.wrap_future(slot.handle.run.remote().future())
+        log.info("worker %s started on node %s (pid %s)", slot.worker_id, slot.node[:8], slot.pid)
+
+    async def stop_all(self) -> None:
+        """SIGTERM to every live worker process; each drains on its own."""
+        calls = []
+        for slot in self.slots:
+            if slot.run is not None and not slot.run.done() and slot.pid is not None:
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                strategy = NodeAffinitySchedulingStrategy(slot.node, soft=False)
+                ref = self._terminate.options(scheduling_strategy=strategy).remote(slot.pid)
+                calls.append(asyncio.wrap_future(ref.future()))
+        for call in calls:
+            with contextlib.suppress(Exception):
+                await call
+
+    async def run(self) -> ClusterServeStats:
+        await asyncio.gather(*(self._start(s) for s in self.slots))
+        failures = node_failure_errors(self.ray)
+        stop_wait: asyncio.Task[bool] = asyncio.create_task(self.stopping.wait())
+        stopped = False
+        try:
+            while True:
+                live = {s.run: s for s in self.slots if s.run is not None and not s.run.done()}
+                finished = [s for s in self.slots if s.run is not None and s.run.done() and s.handle is not None]
+                for slot in finished:
+                    await self._collect(slot, failures, restart=not stopped)
+                live = {s.run: s for s in self.slots if s.run is not None and not s.run.done()}
+                if not live:
+                    break
+                await asyncio.wait([*live, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+                if stop_wait.done() and not stopped:
+                    stopped = True
+                    log.warning("stopping: every worker drains its groups in flight")
+                    await self.stop_all()
+        finally:
+            stop_wait.cancel()
+            for slot in self.slots:
+                if slot.handle is not None:
+                    with contextlib.suppress(Exception):
+                        self.ray.kill(slot.handle, no_restart=True)
+        return self._totals()
+
+    async def _collect(self, slot: _Slot, failures: tuple[type[BaseException], ...], restart: bool) -> None:
+        assert slot.run is not None
+        try:
+            slot.stats.append(slot.run.result())
+            slot.handle = None
+            return
+        except failures as exc:
+            error = exc
+        with contextlib.suppress(Exception):
+            self.ray.kill(slot.handle, no_restart=True)
+        slot.handle = None
+        if not restart:
+            log.warning("worker %s died while stopping (%s)", slot.worker_id, type(error).__name__)
+            return
+        slot.restarts += 1
+        if slot.restarts > self.max_restarts:
+            raise RuntimeError(f"worker {slot.worker_id} died {slot.restarts} times; giving up (last: {error})")
+        log.warning("worker %s died (%s); restarting it (restart %d)", slot.worker_id, type(error).__name__,
+                    slot.restarts)
+        await asyncio.sleep(RESTART_BACKOFF_S)
+        await self._start(slot)
+
+    def _totals(self) -> ClusterServeStats:
+        totals, per_worker = ServeStats(), {}
+        for slot in self.slots:
+            mine = ServeStats()
+            for run in slot.stats:
+                _add(mine, run)
+                mine.groups_parked = run.groups_parked  # what the last run left parked is what is still parked
+            per_worker[slot.worker_id] = mine
+            _add(totals, mine)
+        return ClusterServeStats(len(self.slots), sum(s.restarts for s in self.slots), totals, per_worker)
+
+
+def _add(into: ServeStats, more: ServeStats) -> None:
+    for f in fields(ServeStats):
+        a, b = getattr(into, f.name), getattr(more, f.name)
+        if isinstance(a, dict):
+            for k, v in b.items():
+                a[k] = a.get(k, 0) + v
+        else:
+            setattr(into, f.name, a + b)
+
+
+def serve_on_ray(settings: Settings) -> ClusterServeStats:
+    """The `serve --ray` command: start the workers, supervise them, stop them all on SIGINT/SIGTERM."""
+    assert settings.ray.address is not None
+    with connected(settings.ray.address) as ray:
+
+        async def main() -> ClusterServeStats:
+            supervisor = Supervisor(ray, settings)
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, supervisor.stopping.set)
+            try:
+                return await supervisor.run()
+            finally:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+
+        return asyncio.run(main())
