@@ -11,79 +11,49 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from .game import Observation, Table
+from .env import BlackjackEnv, Decision, EnvSettings, Play, Status, episode_scores, opening_messages
+from .game import Table
 from .policies.base import InferenceError, Policy, Reply, Turn
-from .protocol import ACTION_NAMES, ParsedAction, observation_text, parse_action, split_thinking, system_prompt
+from .protocol import ACTION_NAMES, split_thinking
 from .solver import Solution
 from .tokens import ChatFormat, Trajectory
 
+__all__ = [
+    "Decision",
+    "Episode",
+    "EpisodeSettings",
+    "episode_scores",
+    "opening_messages",
+    "play_episode",
+    "sampling_seed",
+    "without_thoughts",
+]
+
 log = logging.getLogger(__name__)
-
-Status = Literal["finished", "invalid", "truncated", "failed"]
-
-
-Scoring = Literal["outcome", "expected"]
 
 
 @dataclass(frozen=True, slots=True)
-class EpisodeSettings:
-    invalid_score: float = -1.0
-    max_turns: int = 10
+class EpisodeSettings(EnvSettings):
+    """The game's settings plus the token budget, which only a player that tokenizes can keep."""
+
     max_token_length: int = 1024
     max_new_tokens: int = 64
-    thinking: bool = False
-    scoring: Scoring = "outcome"
-    format_bonus: float = 0.0  # added in proportion to the share of well-formed answers
-
-
-@dataclass(slots=True)
-class Decision:
-    """One model turn, scored against Q* (an expectation, never the seeded deck)."""
-
-    player_sum: int
-    dealer_card: int
-    usable_ace: bool
-    natural: bool
-    action: int | None  # None: the answer was not a valid call
-    optimal: int
-    regret: float | None  # Q*(s, optimal) - Q*(s, action); None when invalid
-    parse_error: str | None
-    text: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "state": [self.player_sum, self.dealer_card, int(self.usable_ace)],
-            "natural": self.natural,
-            "action": ACTION_NAMES.get(self.action) if self.action is not None else None,
-            "optimal": ACTION_NAMES[self.optimal],
-            "regret": self.regret,
-            "parse_error": self.parse_error,
-            "text": self.text,
-        }
 
 
 @dataclass
-class Episode:
-    seed: int
-    index: int
+class Episode(Play):
+    """A game (`Play`) with what playing it through a policy adds: messages, tokens, errors."""
+
     status: Status = "failed"
-    outcome: Literal["win", "draw", "loss"] | None = None
-    reward: float | None = None  # the game's reward, when the game finished
-    score: float | None = None  # what training sees (the chosen scoring mode); None when failed
-    scores: dict[str, float] = field(default_factory=dict)  # every scoring mode, always reported
-    start_value: float | None = None  # V*(first state): what optimal play expects from this deal
+    index: int = 0
     thoughts_truncated: int = 0  # model turns whose earlier thoughts were cut to fit the budget
-    invalid_reason: str | None = None
     error: str | None = None
-    decisions: list[Decision] = field(default_factory=list)
     messages: list[dict[str, str]] = field(default_factory=list)
     trajectory: Trajectory = field(default_factory=Trajectory)
-    player_hand: list[int] = field(default_factory=list)
-    dealer_hand: list[int] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -101,6 +71,7 @@ class Episode:
             "scores": self.scores,
             "start_value": self.start_value,
             "invalid_reason": self.invalid_reason,
+            "retries": self.retries,
             "error": self.error,
             "actions": [ACTION_NAMES.get(d.action) if d.action is not None else None for d in self.decisions],
             "optimal_actions": [ACTION_NAMES[d.optimal] for d in self.decisions],
@@ -115,13 +86,6 @@ def sampling_seed(deal_seed: int, index: int, turn: int) -> int:
     return int(np.random.SeedSequence([deal_seed & 0xFFFFFFFFFFFF, index, turn]).generate_state(1)[0])
 
 
-def opening_messages(observation: Observation, thinking: bool = False) -> list[dict[str, str]]:
-    return [
-        {"role": "system", "content": system_prompt(thinking=thinking)},
-        {"role": "user", "content": observation_text(*observation)},
-    ]
-
-
 async def play_episode(
     table: Table,
     policy: Policy,
@@ -132,32 +96,36 @@ async def play_episode(
     settings: EpisodeSettings = EpisodeSettings(),
     first_reply: Reply | None = None,
 ) -> Episode:
-    """Play one deal. `first_reply`, when given, is the answer to the opening prompt,
-    already sampled (a group can sample all its first answers in one request)."""
+    """Play one deal through `BlackjackEnv`, adding the tokens the trainer needs.
+
+    `first_reply`, when given, is the answer to the opening prompt, already sampled (a
+    group can sample all its first answers in one request).
+    """
+    env = BlackjackEnv(solution, settings, table)
     ep = Episode(seed=seed, index=index)
-    obs = table.reset(seed)
-    ep.start_value = solution.v(obs, table.player_is_natural)
-    ep.messages = opening_messages(obs, settings.thinking)
+    ep.messages, _ = env.reset(seed, record=ep)
     ep.trajectory.add_context(chat.prompt_ids(ep.messages))
 
-    for turn in range(settings.max_turns):
+    while True:
         if len(ep.trajectory) + settings.max_new_tokens > settings.max_token_length and settings.thinking:
             _drop_old_thoughts(ep, chat)
         if len(ep.trajectory) + settings.max_new_tokens > settings.max_token_length:
-            return _cut(ep, table, "context_limit", settings)
-        natural = table.player_is_natural
+            env.truncate("context_limit")
+            return ep
+        turn = env.turn
         try:
             if turn == 0 and first_reply is not None:
                 reply = first_reply
             else:
                 reply = await policy.respond(
-                    Turn(ep.messages, ep.trajectory.tokens, obs, natural, sampling_seed(seed, index, turn))
+                    Turn(ep.messages, ep.trajectory.tokens, env.observation, env.natural,
+                         sampling_seed(seed, index, turn))
                 )
         except InferenceError as exc:
-            return _fail(ep, table, str(exc))
+            return _fail(ep, env, str(exc))
         except Exception as exc:  # a broken policy fails the episode, not the whole run
             log.exception("policy %s raised while playing seed %s", getattr(policy, "name", policy), seed)
-            return _fail(ep, table, f"{type(exc).__name__}: {exc}")
+            return _fail(ep, env, f"{type(exc).__name__}: {exc}")
 
         ep.messages.append({"role": "assistant", "content": reply.text})
         if reply.completion_ids is not None:
@@ -167,64 +135,17 @@ async def play_episode(
         else:
             ep.trajectory.add_sampled(chat.answer_ids(reply.text), None)
 
-        parsed: ParsedAction = parse_action(reply.text, reply.tool_calls)
-        q_best = solution.best_action(obs, natural)
-        if not parsed.valid:
-            ep.decisions.append(Decision(*obs, natural, None, q_best, None, parsed.error.value, reply.text))
-            ep.status, ep.invalid_reason = "invalid", parsed.error.value
-            return _finish(ep, table, settings)
-
-        ep.decisions.append(
-            Decision(*obs, natural, parsed.action, q_best, solution.regret(obs, parsed.action, natural), None, reply.text)
-        )
-        step = table.step(parsed.action)
-        if step.terminated:
-            ep.status, ep.reward = "finished", step.reward
-            ep.outcome = "win" if step.reward > 0 else "loss" if step.reward < 0 else "draw"
-            return _finish(ep, table, settings)
-        obs = step.observation
-        text = observation_text(*obs)
-        ep.messages.append({"role": "user", "content": text})
-        ep.trajectory.add_context(chat.next_turn_ids(text))
-
-    return _cut(ep, table, "turn_limit", settings)
+        text, _, terminated, truncated, _ = env.step(reply.text, reply.tool_calls)
+        if text is not None:
+            ep.messages.append({"role": "user", "content": text})
+            ep.trajectory.add_context(chat.next_turn_ids(text))
+        if terminated or truncated:
+            return ep
 
 
-def episode_scores(ep: Episode, settings: EpisodeSettings) -> dict[str, float]:
-    """Both scoring modes for a played episode.
-
-    `outcome` is the game's reward, as the original. `expected` is what the decisions
-    were worth: V*(s0) minus the regret of every decision, i.e. V*(s0) plus
-    sum(Q*(s, a) - V*(s)). Both are expectations-consistent (for any policy their means
-    over deals are equal), but `expected` does not pay for the luck of the cards, so its
-    variance is far lower; it never looks at the seeded deck.
-    """
-    answers = len(ep.decisions)
-    bonus = settings.format_bonus * (sum(d.action is not None for d in ep.decisions) / answers) if answers else 0.0
-    if ep.status != "finished":
-        return {"outcome": settings.invalid_score + bonus, "expected": settings.invalid_score + bonus}
-    regret = sum(d.regret for d in ep.decisions if d.regret is not None)
-    return {"outcome": float(ep.reward) + bonus, "expected": float(ep.start_value) - regret + bonus}
-
-
-def _finish(ep: Episode, table: Table, settings: EpisodeSettings) -> Episode:
-    ep.scores = episode_scores(ep, settings)
-    ep.score = ep.scores[settings.scoring]
-    return _finish_hands(ep, table)
-
-
-def _cut(ep: Episode, table: Table, reason: str, settings: EpisodeSettings) -> Episode:
-    ep.status, ep.invalid_reason = "truncated", reason
-    return _finish(ep, table, settings)
-
-
-def _fail(ep: Episode, table: Table, error: str) -> Episode:
-    ep.status, ep.error, ep.score = "failed", error, None
-    return _finish_hands(ep, table)
-
-
-def _finish_hands(ep: Episode, table: Table) -> Episode:
-    ep.player_hand, ep.dealer_hand = table.player_hand, table.dealer_hand
+def _fail(ep: Episode, env: BlackjackEnv, error: str) -> Episode:
+    env.fail()
+    ep.error = error
     return ep
 
 
