@@ -17,6 +17,8 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = "--ray needs Ray: pip install 'blackjack-rl[ray]'"
 # `--ray` with no address: start a local cluster for this command only.
 LOCAL = "local"
+# Named actors (`serve:<worker id>`) live here, so `ray.get_actor` finds them from any driver.
+NAMESPACE = "blackjack-rl"
 
 
 def require_ray() -> Any:
@@ -36,7 +38,7 @@ def connected(address: str, num_cpus: int | None = None) -> Iterator[Any]:
     if ray.is_initialized():  # a caller (a test, a notebook) already joined one: use it, leave it up
         yield ray
         return
-    kwargs: dict[str, Any] = {"log_to_driver": False, "include_dashboard": False}
+    kwargs: dict[str, Any] = {"log_to_driver": False, "include_dashboard": False, "namespace": NAMESPACE}
     if address == LOCAL:
         if num_cpus is not None:
             kwargs["num_cpus"] = num_cpus

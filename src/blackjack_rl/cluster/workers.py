@@ -93,6 +93,10 @@ class ClusterServeStats:
     per_worker: dict[str, ServeStats]
 
 
+def actor_name(worker_id: str) -> str:
+    return f"serve:{worker_id}"
+
+
 def worker_ids(base: str | None, n: int) -> list[str]:
     base = base or socket.gethostname()
     return [f"{base}-{i}" for i in range(n)]
@@ -117,7 +121,8 @@ class Supervisor:
         self.stopping = asyncio.Event()
 
     async def _start(self, slot: _Slot) -> None:
-        slot.handle = self._remote.options(num_cpus=self.cpus, max_restarts=0, max_concurrency=1).remote(slot.payload)
+        slot.handle = self._remote.options(num_cpus=self.cpus, max_restarts=0, max_concurrency=1,
+                                           name=actor_name(slot.worker_id)).remote(slot.payload)
         slot.run = None
         try:
             slot.node, slot.pid = await asyncio.wrap_future(slot.handle.where.remote().future())

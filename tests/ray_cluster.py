@@ -1,0 +1,53 @@
+"""A real multi-node Ray cluster on 127.0.0.1 for the tests: a head and one worker node, 1 CPU each.
+
+`ray.cluster_utils.Cluster` starts each node as its own raylet, so removing one kills
+its actors for real. Health checks are fast, so a removed node is noticed in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from blackjack_rl.cluster import NAMESPACE  # noqa: E402
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+NODE = {"num_cpus": 1, "object_store_memory": 80 * 1024**2}
+FAST_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 4}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False,
+                                                            "_system_config": FAST_HEALTH})
+    try:
+        cluster.add_node(**NODE)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`blackjack-rl ARGS` in a subprocess (a driver of its own), output captured."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "blackjack_rl.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def popen_cli(*args: str) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, "-m", "blackjack_rl.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
