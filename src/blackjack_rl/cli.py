@@ -67,6 +67,10 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "max_groups": ("serve", "max_groups"),
     "register_timeout": ("serve", "register_timeout"),
     "drain_timeout": ("serve", "drain_timeout"),
+    "ray": ("ray", "address"),
+    "ray_actors": ("ray", "actors"),
+    "ray_cpus": ("ray", "cpus"),
+    "workers": ("ray", "workers"),
 }
 
 
@@ -129,6 +133,20 @@ def _add_play(p: argparse.ArgumentParser) -> None:
     _add_rules(p)
 
 
+def _add_ray(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    g = p.add_argument_group("Ray (pip install 'blackjack-rl[ray]'; see docs/cluster.md)")
+    g.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                   help="run on a Ray cluster: `auto` joins the one `ray start` runs on this node, HOST:PORT another; "
+                        "no address starts a local one for this command"
+                        + ("" if serve else "; the deals are split into shards, merged in seed order"))
+    if serve:
+        g.add_argument("--workers", type=int, help="worker actors, worker ids ID-0..ID-(N-1) (default 1); a dead "
+                                                   "one is restarted with its id and continues its deals")
+    else:
+        g.add_argument("--ray-actors", type=int, metavar="N", help="shard actors (default: the cluster's CPUs / --ray-cpus)")
+    g.add_argument("--ray-cpus", type=float, metavar="N", help="CPUs per actor, also its model threads (default 1)")
+
+
 def _add_grouping(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, help="episodes per group (default 16)")
     p.add_argument("--drop-equal-scores", action="store_true", default=None,
@@ -159,12 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_play(p)
     p.add_argument("--groups", type=int, help="number of groups (default 8)")
     _add_grouping(p)
+    _add_ray(p)
 
     p = sub.add_parser("evaluate", help="play the fixed evaluation deals and report metrics",
                        description="Play the fixed evaluation seeds and write OUT/metrics.json and OUT/samples.jsonl.")
     _add_play(p)
     p.add_argument("--episodes", type=int, help="evaluation deals (default 1000)")
     p.add_argument("--no-samples", action="store_true", help="do not write samples.jsonl")
+    _add_ray(p)
 
     p = sub.add_parser("serve", help="feed the trajectory API as an environment worker",
                        description="Register with the trajectory API, then play groups and send them, keeping "
@@ -187,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--register-timeout", type=float, help="seconds to wait for the trainer (default: forever)")
     g.add_argument("--drain-timeout", type=float, help="on SIGTERM, seconds to finish groups in flight (default 60)")
     g.add_argument("--wandb-project", help="also log metrics to Weights & Biases (pip install 'blackjack-rl[wandb]')")
+    _add_ray(p, serve=True)
 
     p = sub.add_parser("compare", help="compare evaluation runs deal by deal",
                        description="Compare evaluation runs (folders written by `evaluate`) against the first one. "
@@ -250,11 +271,25 @@ def _with_player(settings, job):
     return asyncio.run(main())
 
 
+def _shards(settings):
+    """With --ray: the shard scheduler on that cluster (cluster.shards); else None, play here."""
+    import contextlib
+
+    r = settings.ray
+    if r.address is None:
+        return contextlib.nullcontext()
+    from .cluster.shards import shards_for
+
+    return shards_for(r.address, settings, r.actors, r.cpus)
+
+
 def _cmd_process(args: argparse.Namespace, console: Console) -> int:
     from .runner import run_process
 
     settings = settings_from_args(args)
-    s = _with_player(settings, lambda player: run_process(settings, player, progress=not args.quiet))
+    with _shards(settings) as shards:
+        s = _with_player(settings, lambda player: run_process(settings, player, progress=not args.quiet,
+                                                              deals=shards and shards.deals))
     console.print(
         f"Wrote {s.groups_written} groups ({s.episodes} sequences played, {s.episodes_failed} failed"
         + (f", dropped {s.groups_dropped}" if s.groups_dropped else "")
@@ -268,7 +303,9 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     from .runner import run_evaluate
 
     settings = settings_from_args(args)
-    metrics = _with_player(settings, lambda player: run_evaluate(settings, player, progress=not args.quiet))
+    with _shards(settings) as shards:
+        metrics = _with_player(settings, lambda player: run_evaluate(settings, player, progress=not args.quiet,
+                                                                     play=shards and shards.evaluate))
     print_metrics(metrics, console)
     console.print(f"Metrics in [bold]{settings.out}/metrics.json[/bold]"
                   + (f", every episode in [bold]{settings.out}/samples.jsonl[/bold]" if settings.evaluate.samples else "")
@@ -294,6 +331,10 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from .serve import serve
 
     settings = settings_from_args(args)
+    if settings.ray.address is not None:
+        return _serve_on_ray(settings, args, console)
+    if args.workers is not None:
+        raise ValueError("--workers starts worker actors on Ray: add --ray [ADDRESS]")
     wandb_run = None
     if args.wandb_project:
         try:
@@ -307,6 +348,20 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
                   f"{stats.groups_rejected} refused, dropped {stats.groups_dropped or 0}); "
                   f"{stats.episodes} episodes, {stats.episodes_failed} failed. Log: {settings.out}/serve_metrics.jsonl")
     return 0 if stats.groups_rejected == 0 else 3
+
+
+def _serve_on_ray(settings, args: argparse.Namespace, console: Console) -> int:
+    if args.wandb_project:
+        raise ValueError("--wandb-project is for one worker; with --ray, each worker logs to OUT/<worker id>/")
+    from .cluster.workers import serve_on_ray
+
+    logging.getLogger("blackjack_rl").setLevel(logging.INFO)
+    result = serve_on_ray(settings)
+    t = result.totals
+    console.print(f"{result.workers} workers ({result.restarts} restarts) sent {t.groups_sent} groups "
+                  f"({t.groups_parked} parked, {t.groups_rejected} refused, dropped {t.groups_dropped or 0}); "
+                  f"{t.episodes} episodes, {t.episodes_failed} failed. Logs: {settings.out}/<worker id>/serve_metrics.jsonl")
+    return 0 if t.groups_rejected == 0 else 3
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:

@@ -148,6 +148,17 @@ class ServeConfig(_Section):
     poll_interval: float = Field(1.0, gt=0)
 
 
+class RayConfig(_Section):
+    """`--ray`: evaluate / process in shards on a Ray cluster, serve workers as Ray actors (the `ray` extra)."""
+
+    address: str | None = Field(None, description="the cluster: auto (the one `ray start` runs here), HOST:PORT, "
+                                                   "or local (start one for this command); None: no Ray")
+    actors: int | None = Field(None, ge=1, description="evaluate/process: shard actors (default: cluster CPUs / cpus)")
+    cpus: float = Field(1.0, gt=0, description="CPUs reserved per actor (also its llama.cpp/torch threads)")
+    workers: int = Field(1, ge=1, le=1024, description="serve: worker actors, each with its own worker id and deals")
+    max_restarts: int = Field(100, ge=0, description="serve: restarts of one worker before the command gives up")
+
+
 class TrainConfig(_Section):
     """`blackjack-rl train`: GRPO on the torch policy (needs the `train` extra)."""
 
@@ -191,6 +202,7 @@ class Settings(BaseSettings):
     evaluate: EvalConfig = EvalConfig()
     process: ProcessConfig = ProcessConfig()
     serve: ServeConfig = ServeConfig()
+    ray: RayConfig = RayConfig()
     train: TrainConfig = TrainConfig()
 
 
