@@ -15,10 +15,10 @@ import httpx
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-#: What the Atropos example trainer posts to /register (wandb_group may be None there).
+#: What an Atropos trainer posts to /register (every field; Atropos' run-api refuses null).
 ATROPOS_REGISTRATION: dict[str, Any] = {
-    "wandb_group": None,
-    "wandb_project": None,
+    "wandb_group": "group",
+    "wandb_project": "project",
     "batch_size": 8,
     "max_token_len": 512,
     "starting_step": 0,

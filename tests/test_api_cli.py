@@ -39,17 +39,35 @@ def test_invalid_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "max_queued_sequences" in capsys.readouterr().err
 
 
-def test_a_database_in_use_is_refused_with_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["same path", "hard link", "symlink"])
+def test_a_database_in_use_is_refused_with_one_line(tmp_path: Path, name: str) -> None:
+    """The lock follows the file, not its name: another name of the same file is refused too."""
     from blackjack_rl.api.store import take_lock
 
     db = tmp_path / "busy.sqlite"
     held = take_lock(db)
+    other = tmp_path / "elsewhere" / "other.sqlite"
+    other.parent.mkdir()
+    if name == "hard link":
+        os.link(db, other)
+    elif name == "symlink":
+        other.symlink_to(db)
+    else:
+        other = db
     try:
-        run = subprocess.run([sys.executable, "-m", "blackjack_rl.api", "--db", str(db), "--port", "0"],
+        run = subprocess.run([sys.executable, "-m", "blackjack_rl.api", "--db", str(other), "--port", "0"],
                              capture_output=True, text=True, timeout=60,
                              env={k: v for k, v in os.environ.items() if not k.startswith("BLACKJACK_RL_API_")}
                              | {"PYTHONPATH": str(SRC)})
     finally:
-        held.close()
+        held.release()
     assert run.returncode == 1
     assert "another trajectory API process is using" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_database_that_is_a_directory_is_one_line(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "blackjack_rl.api", "--db", str(tmp_path), "--port", "0"],
+                         capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("BLACKJACK_RL_API_")}
+                         | {"PYTHONPATH": str(SRC)})
+    assert run.returncode == 1 and "is not a file" in run.stderr and "Traceback" not in run.stderr

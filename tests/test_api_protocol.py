@@ -64,7 +64,7 @@ def test_environments_wait_for_the_trainers_first_batch_request(client: TestClie
 
 def test_batch_before_registration_explains_itself(client: TestClient) -> None:
     body = client.get("/batch").json()
-    assert body["batch"] is None and "Call /register first" in body["message"]
+    assert body["batch"] == [] and "Call /register first" in body["message"]
     assert client.get("/info").json() == {"batch_size": -1, "max_token_len": -1}
     assert client.get("/wandb_info").json() == {"group": None, "project": None}
     assert client.get("/status").json() == {"current_step": 0, "queue_size": 0}

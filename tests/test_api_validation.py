@@ -119,7 +119,7 @@ def test_group_size_must_fit_batches_and_the_environment(api: TestClient) -> Non
 
 
 def test_unknown_env_id(api: TestClient) -> None:
-    bad(api, make_group(env_id=7), "env_id 7 is not registered", "known: [0]", "/register-env")
+    bad(api, make_group(env_id=7), "env_id 7 is not registered", "known: 0", "/register-env")
     assert api.get("/status-env", params={"env_id": 7}).status_code == 404
     assert api.post("/disconnect-env", json={"env_id": 7}).status_code == 404
 

@@ -17,8 +17,11 @@ when the minimums add up to more than a batch), and the rest of the batch is fil
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+_SHOWN_DIVISORS = 12
 
 
 @dataclass(frozen=True)
@@ -30,13 +33,31 @@ class Candidate:
     size: int
 
 
+@functools.lru_cache(maxsize=64)
+def divisors(n: int) -> tuple[int, ...]:
+    """The divisors of n, ascending, in O(sqrt(n)) steps (n is bounded by MAX_BATCH_SIZE)."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    large = [n // d for d in reversed(small) if d * d != n]
+    return tuple(small + large)
+
+
+def divisors_text(n: int) -> str:
+    """A short list of n's divisors for error messages: never longer than a dozen numbers."""
+    found = divisors(n)
+    if len(found) <= _SHOWN_DIVISORS:
+        return ", ".join(map(str, found))
+    head = ", ".join(map(str, found[: _SHOWN_DIVISORS - 1]))
+    return f"{head}, ... {n} ({len(found)} in all)"
+
+
+@functools.lru_cache(maxsize=64)
 def window_for(batch_size: int) -> int:
     """How many queued groups (oldest first) guarantee a batch if any batch exists among them.
 
     With every size dividing `batch_size`, a set of groups that cannot fill a batch holds at
     most `batch_size / s - 1` groups of each size `s`; one more group than that always can.
     """
-    return sum(batch_size // s - 1 for s in range(1, batch_size + 1) if batch_size % s == 0) + 1
+    return sum(batch_size // s - 1 for s in divisors(batch_size)) + 1
 
 
 def exact_subset(candidates: Sequence[Candidate], target: int) -> list[Candidate] | None:

@@ -13,7 +13,11 @@ from collections.abc import AsyncIterator
 from .errors import ApiError
 
 _GZIP_WBITS = 16 + zlib.MAX_WBITS
-_CHUNK = 256 * 1024
+#: Bytes of compressed input handed to zlib at a time (bounds the copy zlib makes per member).
+_FEED = 16 * 1024
+#: Gzip members accepted in one body. Clients (EnvClient, atroposlib) send one; a body made of
+#: many tiny members costs per member, so their number is bounded rather than their size only.
+MAX_GZIP_MEMBERS = 64
 
 
 def _too_large(limit: int, what: str) -> ApiError:
@@ -53,37 +57,54 @@ def content_coding(header: str | None) -> str:
     raise ApiError(415, f"Content-Encoding {header!r} is not supported; send identity or gzip")
 
 
-def gunzip_limited(data: bytes, limit: int) -> tuple[bytes, int]:
+def gunzip_limited(data: bytes, limit: int, max_members: int = MAX_GZIP_MEMBERS) -> tuple[bytes, int]:
     """Decompress a gzip body (one or more members) producing at most `limit` bytes.
 
     Returns the bytes and the number of gzip members, so callers can tell a plain single
     stream (whose compressed bytes may be stored as they are) from a concatenation.
+
+    Linear in the body: input is fed in slices of `_FEED` bytes, so what zlib copies per
+    member (its unused input) is bounded by the slice, not by the rest of the body, and
+    bodies of more than `max_members` members (clients send one) are refused.
     """
+    view = memoryview(data)
+    size = len(view)
     out: list[bytes] = []
     produced = 0
     members = 0
-    rest = data
-    while rest:
-        members += 1
-        decoder = zlib.decompressobj(_GZIP_WBITS)
-        pending = rest
-        while not decoder.eof:
-            try:
-                piece = decoder.decompress(pending, limit - produced + 1)
-            except zlib.error as exc:
-                raise ApiError(400, f"body is not valid gzip ({exc}); compress with gzip or send it plain") from None
-            produced += len(piece)
-            if produced > limit:
-                raise _too_large(limit, "decompressed body")
-            out.append(piece)
-            pending = decoder.unconsumed_tail
-            if not pending and not piece:
-                break  # input used up without reaching the end of the stream
-        if not decoder.eof:
-            raise ApiError(400, "gzip body is truncated; send the complete compressed stream")
-        rest = decoder.unused_data
-        if rest and not rest.strip(b"\x00"):
+    pos = 0
+    while pos < size:
+        if view[pos] == 0 and not bytes(view[pos:]).strip(b"\x00"):
             break  # zero padding after the last member, as some writers add
+        members += 1
+        if members > max_members:
+            raise ApiError(
+                400,
+                f"gzip body has more than {max_members} members; compress the body as one gzip stream",
+            )
+        decoder = zlib.decompressobj(_GZIP_WBITS)
+        while not decoder.eof:
+            if pos >= size:
+                raise ApiError(400, "gzip body is truncated; send the complete compressed stream")
+            pending: bytes | memoryview = view[pos : pos + _FEED]
+            pos += len(pending)
+            while True:
+                try:
+                    piece = decoder.decompress(pending, limit - produced + 1)
+                except zlib.error as exc:
+                    raise ApiError(
+                        400, f"body is not valid gzip ({exc}); compress with gzip or send it plain"
+                    ) from None
+                produced += len(piece)
+                if produced > limit:
+                    raise _too_large(limit, "decompressed body")
+                out.append(piece)
+                if decoder.eof:
+                    pos -= len(decoder.unused_data)  # the next member starts there
+                    break
+                pending = decoder.unconsumed_tail
+                if not pending:
+                    break
     if members == 0:
         return b"", 0
     return b"".join(out), members

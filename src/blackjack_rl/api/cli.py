@@ -16,7 +16,7 @@ environment variables (flags win over them):
   BLACKJACK_RL_API_HOST, BLACKJACK_RL_API_PORT, BLACKJACK_RL_API_DB_PATH,
   BLACKJACK_RL_API_MAX_QUEUED_SEQUENCES, BLACKJACK_RL_API_MAX_BODY_BYTES,
   BLACKJACK_RL_API_CORS_ORIGINS (a JSON list), BLACKJACK_RL_API_SYNCHRONOUS,
-  BLACKJACK_RL_API_INGEST_WORKERS
+  BLACKJACK_RL_API_INGEST_WORKERS, BLACKJACK_RL_API_ENV_LEASE_S
 
 Atropos trainers and environments connect unchanged (default port 8000). The queue
 survives restarts: one --db file per training run (or reset it with GET /reset_data,
@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ingest-workers", type=int, metavar="N",
                         help="processes that parse and check posts (default 0: the server process; "
                         "a few help on machines with many cores)")
+    parser.add_argument("--env-lease", type=float, metavar="SECONDS", dest="env_lease_s",
+                        help="an environment silent this long stops holding its min_batch_allocation share "
+                        "(default 120)")
     parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument("--access-log", action="store_true", default=None, help="log every request")
     return parser
@@ -67,6 +70,7 @@ def config_from_args(args: argparse.Namespace) -> ApiConfig:
         "cors_origins": args.cors_origins,
         "synchronous": args.synchronous,
         "ingest_workers": args.ingest_workers,
+        "env_lease_s": args.env_lease_s,
         "log_level": args.log_level,
         "access_log": args.access_log,
     }
@@ -98,9 +102,7 @@ def serve(config: ApiConfig) -> int:
             file=sys.stderr,
         )
     try:
-        held = take_lock(config.db_path)  # fail with one clear line, not a startup traceback
-        if held is not None:
-            held.close()
+        take_lock(config.db_path).release()  # fail with one clear line, not a startup traceback
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -188,7 +188,9 @@ class EnvClient:
 
     async def status_env(self) -> StatusEnvResponse:
         env_id = self._require_env()
-        response = await self._request("GET", "/status-env", params={"env_id": env_id})
+        # Atropos' run-api reads env_id only from a JSON body on GET; proxies may drop such a
+        # body, and our API also takes the query parameter. Send both, so either server works.
+        response = await self._request("GET", "/status-env", params={"env_id": env_id}, json={"env_id": env_id})
         return StatusEnvResponse.model_validate(response.json())
 
     async def status(self) -> StatusResponse:
@@ -225,16 +227,18 @@ class EnvClient:
         """
         return await self._post_body(encode_groups(self._with_env(groups)), uuid.uuid4().hex)
 
-    async def submit(self, groups: Sequence[Mapping[str, Any]]) -> SendResult:
+    async def submit(self, groups: Sequence[Mapping[str, Any]], key: str | None = None) -> SendResult:
         """Deliver groups, or park them in the outbox: nothing handed here is lost.
 
         Tries briefly (`park_after`), then parks instead of blocking the worker. Order is
         kept: while older posts wait in the outbox, new ones queue behind them. A refused
-        post goes to the outbox's rejected table and is reported in the result.
+        post goes to the outbox's rejected table and is reported in the result. `key` is the
+        Idempotency-Key (default: a new one); a caller that may submit the same data again
+        after a crash passes a key derived from the data's identity.
         """
         if self.outbox is None:
             raise RuntimeError("submit() needs an outbox; use send_groups() to send without one")
-        body, key = encode_groups(self._with_env(groups)), uuid.uuid4().hex
+        body, key = encode_groups(self._with_env(groups)), key or uuid.uuid4().hex
         if self.outbox.pending_posts():
             self.outbox.put(key, body, len(groups))
             return await self.flush_outbox(self.park_after)

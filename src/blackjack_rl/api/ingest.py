@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic_core
 from pydantic import TypeAdapter, ValidationError
 
+from .batching import divisors_text
 from .body import gunzip_limited
 from .errors import ApiError
-from .models import SCORED_DATA_FIELDS, ScoredGroup
+from .models import INTEGERS_SEEN, SCORED_DATA_FIELDS, ScoredGroup
 
 #: How a stored payload is encoded.
 FMT_ZLIB = 1  # zlib-compressed JSON object
@@ -55,10 +56,6 @@ class PreparedGroup:
     suffix: bytes = b""  # `,"key":null` pairs for Atropos fields the client left out
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def prepare_groups(
     raw: bytes, coding: str, ctx: IngestContext, *, as_list: bool, max_bytes: int
 ) -> list[PreparedGroup]:
@@ -77,7 +74,8 @@ def prepare_groups(
     text = raw
     if coding == "gzip":
         text, members = gunzip_limited(raw, max_bytes)
-    groups = _parse(text, as_list)
+    seen: dict[str, bool] = {}
+    groups = _parse(text, as_list, seen)
 
     for index, group in enumerate(groups):
         try:
@@ -87,7 +85,9 @@ def prepare_groups(
                 exc.detail = f"group {index}: {exc.detail}"
             raise
 
-    if len(groups) == 1 and not _unvalidated_non_finite(groups[0]):
+    # Stored as sent only when sending it back unchanged is right: integers in float fields
+    # become floats, NaN in unchecked fields becomes null, both by re-encoding.
+    if len(groups) == 1 and not seen.get(INTEGERS_SEEN) and not _unvalidated_non_finite(groups[0]):
         group = groups[0]
         suffix = _missing_fields_suffix(group)
         if coding == "gzip" and members == 1:
@@ -120,11 +120,11 @@ def decode_payload(fmt: int, data: bytes, suffix: bytes = b"") -> bytes:
 # --- parsing -----------------------------------------------------------------------------
 
 
-def _parse(text: bytes, as_list: bool) -> Sequence[ScoredGroup]:
+def _parse(text: bytes, as_list: bool, context: dict[str, bool]) -> Sequence[ScoredGroup]:
     try:
         if as_list:
-            return _GROUP_LIST.validate_json(text)
-        return [ScoredGroup.model_validate_json(text)]
+            return _GROUP_LIST.validate_json(text, context=context)
+        return [ScoredGroup.model_validate_json(text, context=context)]
     except ValidationError as exc:
         raise _describe(exc, as_list) from None
 
@@ -258,6 +258,10 @@ def _check_distill(group: ScoredGroup, n: int) -> None:
         for i, (a, b) in enumerate(zip(ids, logprobs)):
             if [len(x) for x in a] != [len(x) for x in b]:
                 raise ApiError(422, f"distill_token_ids[{i}] and distill_logprobs[{i}] differ in shape")
+    for i, per_pos in enumerate(logprobs or ()):
+        if not math.isfinite(sum(map(sum, per_pos))):  # one C-level pass per sequence
+            for j, top in enumerate(per_pos):
+                _check_finite(f"distill_logprobs[{i}][{j}]", top)
 
 
 def _check_size(group: ScoredGroup, n: int, ctx: IngestContext) -> None:
@@ -273,16 +277,15 @@ def _check_size(group: ScoredGroup, n: int, ctx: IngestContext) -> None:
         raise ApiError(
             422,
             f"group has {n} sequences; batches hold exactly {batch_size}, so a group's size must "
-            f"divide {batch_size} (one of {', '.join(map(str, divisors(batch_size)))})",
+            f"divide {batch_size} (one of {divisors_text(batch_size)})",
         )
     if group.env_id is None:
         return
     registered = ctx.env_group_sizes.get(group.env_id)
     if registered is None:
-        known = sorted(ctx.env_group_sizes)
         raise ApiError(
             422,
-            f"env_id {group.env_id} is not registered here (known: {known or 'none'}); "
+            f"env_id {group.env_id} is not registered here (known: {known_envs_text(ctx.env_group_sizes)}); "
             "register with POST /register-env and send the env_id it returns",
         )
     if n > registered:
@@ -293,6 +296,16 @@ def _check_size(group: ScoredGroup, n: int, ctx: IngestContext) -> None:
                 f"group has {n} sequences but env {group.env_id} registered group_size {registered}; "
                 f'send at most {registered}, or declare the larger group with group_overrides {{"group_size": {n}}}',
             )
+
+
+def known_envs_text(env_ids: Iterable[int], shown: int = 10) -> str:
+    """The registered env_ids for an error message, at most `shown` of them."""
+    known = sorted(env_ids)
+    if not known:
+        return "none"
+    if len(known) <= shown:
+        return ", ".join(map(str, known))
+    return ", ".join(map(str, known[:shown])) + f", ... ({len(known)} in all)"
 
 
 # --- storage helpers ---------------------------------------------------------------------

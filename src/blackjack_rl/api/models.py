@@ -3,14 +3,15 @@
 Field names are Atropos' own, so its trainers and environments work unchanged. Where Atropos
 is lax we are strict about what would corrupt training (types, shapes, finiteness), and lax
 about what it tolerates in practice (`wandb_group: null` from its example trainer, optional
-fields sent as empty lists by its environments).
+fields sent as empty lists by its environments, fields left out of a registration), and
+refuse `null` wherever Atropos' own server refuses it.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # Token ids are non-negative and fit in int32 (every tokenizer we know of); a strict int
 # refuses 1.0, "1" and true, which would otherwise slip through as token 1.
@@ -39,6 +40,21 @@ SCORED_DATA_FIELDS: tuple[str, ...] = (
     "distill_logprobs",
 )
 
+#: Fields of numbers that Atropos declares as floats.
+FLOAT_FIELDS: tuple[str, ...] = ("scores", "advantages", "ref_logprobs", "inference_logprobs", "distill_logprobs")
+#: Key set in the validation context when a float field held a JSON integer.
+INTEGERS_SEEN = "integers_seen"
+
+
+def _holds_int(value: Any) -> bool:
+    """Whether a (nested) list holds an int; `set(map(type, ...))` keeps the scan in C."""
+    if not isinstance(value, list) or not value:
+        return False
+    kinds = set(map(type, value))
+    if int in kinds:
+        return True
+    return list in kinds and any(_holds_int(v) for v in value)
+
 
 class ScoredGroup(BaseModel):
     """One group (GRPO: one prompt, several completions) as posted by an environment.
@@ -57,12 +73,25 @@ class ScoredGroup(BaseModel):
     messages: list[list[dict[str, Any]]] | None = None
     generation_params: dict[str, Any] | None = None
     inference_logprobs: list[list[StrictFloat]] | None = None
-    overrides: list[dict[str, Any] | None] | None = None
+    overrides: list[dict[str, Any]] | None = None
     group_overrides: dict[str, Any] | None = None
     images: Any | None = None
-    env_id: StrictInt | None = None
-    distill_token_ids: list[list[list[StrictInt]]] | None = None
+    env_id: Annotated[int, Field(strict=True, ge=0, lt=2**63)] | None = None
+    distill_token_ids: list[list[list[TokenId]]] | None = None
     distill_logprobs: list[list[list[StrictFloat]]] | None = None
+
+    @field_validator(*FLOAT_FIELDS, mode="before")
+    @classmethod
+    def _note_integers(cls, value: Any, info: ValidationInfo) -> Any:
+        """Flag JSON integers in float fields (`[1, 0]`) in the validation context.
+
+        The API stores a group as sent when it can; a flagged group is re-encoded instead, so
+        trainers get `1.0` (as Atropos serves it) and never build an integer tensor.
+        """
+        context = info.context
+        if isinstance(context, dict) and not context.get(INTEGERS_SEEN) and _holds_int(value):
+            context[INTEGERS_SEEN] = True
+        return value
 
     @field_validator("messages")
     @classmethod
@@ -76,32 +105,50 @@ class ScoredGroup(BaseModel):
         return value
 
 
-class Registration(BaseModel):
-    """POST /register: a trainer announces itself and its batch geometry."""
+#: Bounds on every number a client chooses, so no request can make the server do work (or
+#: hold memory) proportional to a number it made up. A batch of 65,536 sequences is far
+#: beyond any trainer's; int32 covers token lengths, steps and intervals.
+MAX_BATCH_SIZE = 65_536
+INT32 = 2**31
+MAX_NAME = 256
+MAX_PATH = 4096
+#: env_id and batch ids are SQLite integers.
+Int63 = Annotated[int, Field(ge=0, lt=2**63)]
+Count = Annotated[int, Field(ge=-1, lt=INT32)]  # Atropos uses -1 for "no limit" / "never"
 
-    wandb_group: str | None = None
-    wandb_project: str | None = None
-    batch_size: int = Field(ge=1, description="Sequences per batch (not groups).")
-    max_token_len: int
-    checkpoint_dir: str = ""
-    save_checkpoint_interval: int = -1
-    starting_step: int = Field(0, ge=0)
-    num_steps: int = -1
+
+class Registration(BaseModel):
+    """POST /register: a trainer announces itself and its batch geometry.
+
+    Missing fields take defaults (Atropos requires them all); `null` is refused, as Atropos does.
+    """
+
+    wandb_group: str = Field("", max_length=MAX_NAME)
+    wandb_project: str = Field("", max_length=MAX_NAME)
+    batch_size: int = Field(ge=1, le=MAX_BATCH_SIZE, description="Sequences per batch (not groups).")
+    max_token_len: Count
+    checkpoint_dir: str = Field("", max_length=MAX_PATH)
+    save_checkpoint_interval: Count = -1
+    starting_step: int = Field(0, ge=0, lt=INT32)
+    num_steps: Count = -1
 
 
 class RegisterEnv(BaseModel):
     """POST /register-env: an environment worker asks for an env_id."""
 
-    max_token_length: int
-    desired_name: str
+    max_token_length: Count
+    desired_name: str = Field(max_length=MAX_NAME)
     # Atropos documents -1 as "ignore my weight"; negative weights count as 0 in the shares.
-    weight: float | None = Field(1.0, allow_inf_nan=False)
-    group_size: int = Field(ge=1)
+    weight: float = Field(1.0, ge=-1e6, le=1e6, allow_inf_nan=False)
+    group_size: int = Field(ge=1, le=MAX_BATCH_SIZE)
     min_batch_allocation: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    # (ours) A worker that registers again under the same id (after a restart) gets its old
+    # env_id back instead of leaving a dead registration that is owed a share of every batch.
+    worker_id: str | None = Field(None, min_length=1, max_length=MAX_NAME)
 
 
 class EnvIdentifier(BaseModel):
-    env_id: int
+    env_id: Int63
 
 
 class RegisterResponse(BaseModel):

@@ -9,11 +9,15 @@ process, which is simplest and fastest when there are few cores.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from functools import partial
+
+import anyio
+import anyio.to_thread
 
 from .errors import ApiError
 from .ingest import IngestContext, PreparedGroup, prepare_groups
@@ -25,10 +29,33 @@ def _ready() -> bool:
     return True
 
 
+def body_digest(raw: bytes, as_list: bool) -> str:
+    """What identifies a post for its Idempotency-Key: the endpoint and the bytes as sent."""
+    h = hashlib.blake2b(raw, digest_size=16)
+    h.update(b"list" if as_list else b"one")
+    return h.hexdigest()
+
+
+def prepare_post(
+    raw: bytes, coding: str, ctx: IngestContext, as_list: bool, max_bytes: int, with_digest: bool
+) -> tuple[list[PreparedGroup], str]:
+    """Check a post and, when it carries an Idempotency-Key, fingerprint it, in one hop."""
+    groups = prepare_groups(raw, coding, ctx, as_list=as_list, max_bytes=max_bytes)
+    return groups, body_digest(raw, as_list) if with_digest else ""
+
+
 class IngestPool:
-    def __init__(self, workers: int) -> None:
+    """Where posts are checked: N worker processes, or (N = 0) threads of the server process.
+
+    Never the event loop itself: checking a 16 MB body takes long enough to stall every
+    other request if it ran there.
+    """
+
+    def __init__(self, workers: int, threads: int = 2) -> None:
         self.workers = workers
+        self.threads = threads
         self._pool: ProcessPoolExecutor | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
 
     def _new_pool(self) -> ProcessPoolExecutor:
         # spawn: a clean interpreter, never a fork of a process that runs threads.
@@ -36,6 +63,8 @@ class IngestPool:
 
     async def start(self) -> None:
         """Start the workers now, so the first posts don't wait for interpreters to boot."""
+        # Bounds the memory of posts being checked at once (each holds its decompressed body).
+        self._limiter = anyio.CapacityLimiter(self.threads)
         if self.workers <= 0:
             return
         self._pool = self._new_pool()
@@ -43,11 +72,11 @@ class IngestPool:
         await asyncio.gather(*(loop.run_in_executor(self._pool, _ready) for _ in range(self.workers)))
 
     async def prepare(
-        self, raw: bytes, coding: str, ctx: IngestContext, *, as_list: bool, max_bytes: int
-    ) -> list[PreparedGroup]:
+        self, raw: bytes, coding: str, ctx: IngestContext, *, as_list: bool, max_bytes: int, with_digest: bool
+    ) -> tuple[list[PreparedGroup], str]:
+        job = partial(prepare_post, raw, coding, ctx, as_list, max_bytes, with_digest)
         if self._pool is None:
-            return prepare_groups(raw, coding, ctx, as_list=as_list, max_bytes=max_bytes)
-        job = partial(prepare_groups, raw, coding, ctx, as_list=as_list, max_bytes=max_bytes)
+            return await anyio.to_thread.run_sync(job, limiter=self._limiter)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, job)
         except BrokenProcessPool:

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio.to_thread
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -31,6 +31,7 @@ from .store import BatchRows, Store, StoreRunner
 M = TypeVar("M", bound=BaseModel)
 
 _MAX_IDEMPOTENCY_KEY = 200
+_INLINE_BODY = 64 * 1024  # plain bodies up to this size are parsed on the event loop
 _EMPTY_EXAMPLE: dict[str, list[Any]] = {
     name: []
     for name in (
@@ -79,6 +80,7 @@ def create_app(config: ApiConfig) -> FastAPI:
             max_queued_sequences=config.max_queued_sequences,
             retry_after_s=config.retry_after_s,
             idempotency_ttl_s=config.idempotency_ttl_s,
+            env_lease_s=config.env_lease_s,
         )
         runner = StoreRunner(store)
         runner.start()
@@ -128,13 +130,18 @@ def create_app(config: ApiConfig) -> FastAPI:
         raw = await read_limited(request.stream(), request.headers.get("content-length"), config.max_body_bytes)
         return raw, content_coding(request.headers.get("content-encoding"))
 
-    async def parse(request: Request, model: type[M]) -> M:
-        raw, coding = await read_body(request)
+    def decode(raw: bytes, coding: str, model: type[M]) -> M:
         text = gunzip_limited(raw, config.max_body_bytes)[0] if coding == "gzip" else raw
         try:
             return model.model_validate_json(text or b"null")
         except ValidationError as exc:
             raise _request_error(exc, model.__name__) from None
+
+    async def parse(request: Request, model: type[M]) -> M:
+        raw, coding = await read_body(request)
+        if coding == "identity" and len(raw) <= _INLINE_BODY:
+            return decode(raw, coding, model)  # the usual tiny JSON: not worth a thread hop
+        return await anyio.to_thread.run_sync(decode, raw, coding, model)
 
     @app.get("/")
     async def root() -> dict[str, str]:
@@ -168,7 +175,7 @@ def create_app(config: ApiConfig) -> FastAPI:
         return await call(request, Store.status)  # type: ignore[no-any-return]
 
     @app.get("/status-env")
-    async def status_env(request: Request, env_id: int | None = None) -> dict[str, Any]:
+    async def status_env(request: Request, env_id: int | None = Query(None, ge=0, lt=2**63)) -> dict[str, Any]:
         """env_id as a query parameter, or (as atroposlib sends it) as a JSON body on GET."""
         if env_id is None:
             env_id = (await parse(request, EnvIdentifier)).env_id
@@ -176,12 +183,12 @@ def create_app(config: ApiConfig) -> FastAPI:
         return await call(request, lambda s: s.status_env(chosen))  # type: ignore[no-any-return]
 
     @app.get("/batch")
-    async def batch(request: Request, ack: int | None = None) -> Response:
+    async def batch(request: Request, ack: int | None = Query(None, ge=0, lt=2**63)) -> Response:
         """The next batch for the trainer; see Store.next_batch for acknowledgement."""
         runner = runner_of(request)
         if runner.store.mirror.trainer is None:
             return JSONResponse(
-                {"status": "error", "message": "Trainer not registered. Call /register first.", "batch": None}
+                {"status": "error", "message": "Trainer not registered. Call /register first.", "batch": []}
             )
         rows = await runner.call(lambda s: s.next_batch(ack))
         if rows is None:
@@ -194,7 +201,7 @@ def create_app(config: ApiConfig) -> FastAPI:
         latest = runner_of(request).store.latest
         if latest is None:
             return JSONResponse(_EMPTY_EXAMPLE)
-        return Response(decode_payload(*latest), media_type="application/json")
+        return Response(await anyio.to_thread.run_sync(decode_payload, *latest), media_type="application/json")
 
     async def ingest(request: Request, as_list: bool) -> dict[str, Any]:
         runner = runner_of(request)
@@ -212,9 +219,11 @@ def create_app(config: ApiConfig) -> FastAPI:
             )
         ctx = runner.store.context
         pool: IngestPool = request.app.state.pool
-        groups = await pool.prepare(raw, coding, ctx, as_list=as_list, max_bytes=config.max_body_bytes)
+        groups, digest = await pool.prepare(
+            raw, coding, ctx, as_list=as_list, max_bytes=config.max_body_bytes, with_digest=key is not None
+        )
         return await runner.call(  # type: ignore[no-any-return]
-            lambda s: s.enqueue(groups, as_list=as_list, idempotency_key=key, generation=ctx.generation)
+            lambda s: s.enqueue(groups, as_list=as_list, idempotency_key=key, generation=ctx.generation, digest=digest)
         )
 
     @app.post("/scored_data")

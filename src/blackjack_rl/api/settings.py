@@ -63,6 +63,14 @@ class ApiConfig(BaseSettings):
         gt=0,
         description="How long an Idempotency-Key is remembered, so a retried post is not queued twice.",
     )
+    env_lease_s: float = Field(
+        120.0,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="An environment not heard from (status-env, posts, registration) for this long no "
+        "longer holds its min_batch_allocation share of batches, so a worker that died without "
+        "disconnecting cannot stall training. It regains its share when it is heard from again.",
+    )
     ingest_workers: int = Field(
         0,
         ge=0,

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .batching import Candidate, form_batch, minimum_sequences, window_for
+from .batching import Candidate, divisors_text, form_batch, minimum_sequences, window_for
 from .errors import ApiError
-from .ingest import IngestContext, PreparedGroup, divisors
+from .ingest import IngestContext, PreparedGroup, known_envs_text
 from .models import Registration, RegisterEnv
 
 try:  # POSIX advisory lock: one API process per database file.
@@ -56,7 +56,8 @@ CREATE TABLE IF NOT EXISTS envs(
     group_size INTEGER NOT NULL,
     min_batch_allocation REAL,
     connected INTEGER NOT NULL,
-    registered_at REAL NOT NULL
+    registered_at REAL NOT NULL,
+    worker_id TEXT
 );
 CREATE TABLE IF NOT EXISTS queue(
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -80,8 +81,18 @@ CREATE TABLE IF NOT EXISTS batches(
     deliveries INTEGER NOT NULL,
     redeliver INTEGER NOT NULL
 );
-CREATE TABLE IF NOT EXISTS idempotency(key TEXT PRIMARY KEY, response TEXT NOT NULL, created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS idempotency(
+    key TEXT PRIMARY KEY, response TEXT NOT NULL, created_at REAL NOT NULL, digest TEXT NOT NULL DEFAULT ''
+);
 """
+#: Columns added after the first release, with how to add them to an older file.
+_ADDED_COLUMNS = {
+    ("envs", "worker_id"): "ALTER TABLE envs ADD COLUMN worker_id TEXT",
+    ("idempotency", "digest"): "ALTER TABLE idempotency ADD COLUMN digest TEXT NOT NULL DEFAULT ''",
+}
+#: Environments one run may register. Workers that restart under their worker_id reuse
+#: their registration, so only a misbehaving client comes near this.
+MAX_ENVS = 10_000
 
 T = TypeVar("T")
 
@@ -96,6 +107,10 @@ class EnvRecord:
     group_size: int
     min_batch_allocation: float | None
     connected: bool
+    worker_id: str | None = None
+    #: Store.clock() at the last sign of life (registration, status-env, posted group); not
+    #: stored: after a restart of the API every environment starts a fresh lease.
+    last_seen: float = 0.0
 
 
 @dataclass
@@ -137,20 +152,63 @@ class Mirror:
         return sum(size * n for (_, size), n in self.counts.items())
 
 
-def take_lock(path: Path) -> Any:
-    """Hold `<db>.lock` exclusively: two API processes on one database would disagree on its state."""
-    if fcntl is None:  # pragma: no cover
-        return None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(f"{path}.lock", "a+")  # noqa: SIM115 - held for the store's life
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        raise RuntimeError(
-            f"another trajectory API process is using {path}; stop it, or give this one its own --db"
-        ) from None
-    return handle
+#: (st_dev, st_ino) of the database files this process holds. Asking the kernel again from
+#: the same process would mean opening and closing a second descriptor of a file SQLite has
+#: open, and closing any descriptor drops the POSIX locks SQLite holds on it.
+_HELD: set[tuple[int, int]] = set()
+
+
+class DatabaseLock:
+    """An exclusive flock on the database file itself, so the lock follows the file's identity.
+
+    A lock named after the path would let a second API in through a hard link or a symlink
+    (another name for the same file), and two writers with separate WAL files lose data.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists() and not path.is_file():
+                raise RuntimeError(f"--db {path} is not a file; give the path of an SQLite file (it is created)")
+            identity = _identity(path) if path.exists() else None
+            if identity is not None and identity in _HELD:
+                raise _in_use(path)
+            self._handle = open(path, "ab")  # noqa: SIM115 - held for the store's life; creates the file
+        except OSError as exc:
+            raise RuntimeError(f"cannot open the database {path}: {exc.strerror or exc}") from None
+        self.identity = _identity(path)
+        if fcntl is not None:
+            try:
+                fcntl.flock(self._handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._handle.close()
+                raise _in_use(path) from None
+        _HELD.add(self.identity)
+
+    def release(self) -> None:
+        """Call after closing the SQLite connection (see _HELD)."""
+        if self._handle is not None:
+            _HELD.discard(self.identity)
+            self._handle.close()
+            self._handle = None
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return (st.st_dev, st.st_ino)
+
+
+def _in_use(path: Path) -> RuntimeError:
+    return RuntimeError(
+        f"another trajectory API process is using {path} (or another name of the same file); "
+        "stop it, or give this one its own --db"
+    )
+
+
+def take_lock(path: Path) -> DatabaseLock:
+    """Hold the database exclusively: two API processes on one database would disagree on its state."""
+    return DatabaseLock(Path(path))
 
 
 class Store:
@@ -164,8 +222,12 @@ class Store:
         max_queued_sequences: int = 100_000,
         retry_after_s: int = 2,
         idempotency_ttl_s: float = 86_400.0,
+        env_lease_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = Path(path)
+        self.env_lease_s = env_lease_s
+        self.clock = clock
         self.max_queued_sequences = max_queued_sequences
         self.retry_after_s = retry_after_s
         self.idempotency_ttl_s = idempotency_ttl_s
@@ -179,6 +241,7 @@ class Store:
         self.db.execute("PRAGMA journal_size_limit=67108864")
         self.db.execute("PRAGMA busy_timeout=5000")
         self.db.executescript(_SCHEMA)
+        self._add_missing_columns()
         self._check_schema()
         self.mirror = Mirror()
         self.queued_sequences_hint = 0  # readable from other threads (an int, replaced whole)
@@ -190,8 +253,14 @@ class Store:
 
     # --- lifecycle ---------------------------------------------------------------------
 
-    def _take_lock(self) -> Any:
+    def _take_lock(self) -> DatabaseLock:
         return take_lock(self.path)
+
+    def _add_missing_columns(self) -> None:
+        for (table, column), sql in _ADDED_COLUMNS.items():
+            present = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            if column not in present:
+                self.db.execute(sql)
 
     def _check_schema(self) -> None:
         row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
@@ -205,7 +274,7 @@ class Store:
     def close(self) -> None:
         self.db.close()
         if self._lock_file is not None:
-            self._lock_file.close()
+            self._lock_file.release()
             self._lock_file = None
 
     def reload(self) -> None:
@@ -213,14 +282,16 @@ class Store:
         m = Mirror()
         meta = dict(self.db.execute("SELECT key, value FROM meta").fetchall())
         if "trainer" in meta:
-            m.trainer = Registration.model_validate_json(meta["trainer"])
+            # Files written before null was refused may hold null for a defaulted field.
+            stored = {k: v for k, v in json.loads(meta["trainer"]).items() if v is not None}
+            m.trainer = Registration.model_validate(stored)
         m.step = int(meta.get("step", 0))
         m.started = meta.get("started") == "1"
         for row in self.db.execute(
             "SELECT env_id, desired_name, real_name, max_token_length, weight, group_size, "
-            "min_batch_allocation, connected FROM envs ORDER BY env_id"
+            "min_batch_allocation, connected, worker_id FROM envs ORDER BY env_id"
         ):
-            m.envs[row[0]] = EnvRecord(*row[:7], connected=bool(row[7]))
+            m.envs[row[0]] = EnvRecord(*row[:7], connected=bool(row[7]), worker_id=row[8], last_seen=self.clock())
         for env_id, size, n in self.db.execute(
             "SELECT env_id, n_seq, COUNT(*) FROM queue WHERE batch_id IS NULL GROUP BY env_id, n_seq"
         ):
@@ -283,6 +354,13 @@ class Store:
         m = self.mirror
         trainer_uuid = uuid.uuid4().int
         first = m.trainer is None
+        if first and reg.batch_size > self.max_queued_sequences:
+            raise ApiError(
+                422,
+                f"batch_size {reg.batch_size} can never be filled: this API queues at most "
+                f"{self.max_queued_sequences} sequences (--max-queued-sequences); use a smaller batch "
+                "or start the API with a larger queue",
+            )
         if first:
             self._set_meta("trainer", reg.model_dump_json())
             self._set_meta("step", str(reg.starting_step))
@@ -309,24 +387,36 @@ class Store:
             raise ApiError(
                 422,
                 f"group_size {req.group_size} cannot be packed into the trainer's batches of {batch_size} "
-                f"sequences; use a size that divides {batch_size} (one of "
-                f"{', '.join(map(str, divisors(batch_size)))})",
+                f"sequences; use a size that divides {batch_size} (one of {divisors_text(batch_size)})",
             )
-        env_id = max(m.envs, default=-1) + 1
-        same_name = sum(1 for e in m.envs.values() if e.desired_name == req.desired_name)
+        previous = self._registration_of(req)
+        if previous is None and len(m.envs) >= MAX_ENVS:
+            raise ApiError(
+                409,
+                f"{MAX_ENVS} environments are registered in this run; restart workers with their "
+                "--worker-id so they reuse their registration, or start a new run (new --db)",
+            )
+        if previous is not None:
+            env_id, real_name = previous.env_id, previous.real_name
+        else:
+            env_id = max(m.envs, default=-1) + 1
+            same_name = sum(1 for e in m.envs.values() if e.desired_name == req.desired_name)
+            real_name = f"{req.desired_name}_{same_name}"
         record = EnvRecord(
             env_id=env_id,
             desired_name=req.desired_name,
-            real_name=f"{req.desired_name}_{same_name}",
+            real_name=real_name,
             max_token_length=req.max_token_length,
-            weight=1.0 if req.weight is None else req.weight,
+            weight=req.weight,
             group_size=req.group_size,
             min_batch_allocation=req.min_batch_allocation,
             connected=True,
+            worker_id=req.worker_id,
+            last_seen=self.clock(),
         )
         self.db.execute(
-            "INSERT INTO envs(env_id, desired_name, real_name, max_token_length, weight, group_size, "
-            "min_batch_allocation, connected, registered_at) VALUES(?, ?, ?, ?, ?, ?, ?, 1, ?)",
+            "INSERT OR REPLACE INTO envs(env_id, desired_name, real_name, max_token_length, weight, group_size, "
+            "min_batch_allocation, connected, registered_at, worker_id) VALUES(?, ?, ?, ?, ?, ?, ?, 1, ?, ?)",
             (
                 env_id,
                 record.desired_name,
@@ -336,6 +426,7 @@ class Store:
                 record.group_size,
                 record.min_batch_allocation,
                 time.time(),
+                record.worker_id,
             ),
         )
         m.envs[env_id] = record
@@ -350,14 +441,37 @@ class Store:
             "num_steps": m.trainer.num_steps,
         }
 
+    def _registration_of(self, req: RegisterEnv) -> EnvRecord | None:
+        """The earlier registration of the same worker (same worker_id and name), if any."""
+        if req.worker_id is None:
+            return None
+        for env in self.mirror.envs.values():
+            if env.worker_id == req.worker_id and env.desired_name == req.desired_name:
+                return env
+        return None
+
     def _env(self, env_id: int) -> EnvRecord:
         env = self.mirror.envs.get(env_id)
         if env is None:
-            known = sorted(self.mirror.envs)
             raise ApiError(
-                404, f"env_id {env_id} is not registered here (known: {known or 'none'}); register with POST /register-env"
+                404,
+                f"env_id {env_id} is not registered here (known: {known_envs_text(self.mirror.envs)}); "
+                "register with POST /register-env",
             )
         return env
+
+    def _live(self, env: EnvRecord, now: float) -> bool:
+        """Connected and heard from within the lease: only such an environment is owed a share.
+
+        A worker killed without /disconnect-env would otherwise hold back every batch that
+        it is owed a part of, forever.
+        """
+        return env.connected and now - env.last_seen <= self.env_lease_s
+
+    def _seen(self, env_id: int | None) -> None:
+        env = self.mirror.envs.get(env_id) if env_id is not None else None
+        if env is not None:
+            env.last_seen = self.clock()
 
     def disconnect_env(self, env_id: int) -> dict[str, Any]:
         env = self._env(env_id)
@@ -368,13 +482,33 @@ class Store:
     # --- ingest ---------------------------------------------------------------------------
 
     def enqueue(
-        self, groups: list[PreparedGroup], *, as_list: bool, idempotency_key: str | None, generation: int
+        self,
+        groups: list[PreparedGroup],
+        *,
+        as_list: bool,
+        idempotency_key: str | None,
+        generation: int,
+        digest: str = "",
     ) -> dict[str, Any]:
-        """Queue validated groups atomically; replay the first answer for a repeated key."""
+        """Queue validated groups atomically; replay the first answer for a repeated key.
+
+        `digest` identifies the body: a key reused for a different body is refused (409),
+        since answering "received" would tell the client that data was queued when it was not.
+        """
         now = time.time()
+        for g in groups:
+            self._seen(g.env_id)
         if idempotency_key is not None:
-            row = self.db.execute("SELECT response FROM idempotency WHERE key=?", (idempotency_key,)).fetchone()
+            row = self.db.execute(
+                "SELECT response, digest FROM idempotency WHERE key=?", (idempotency_key,)
+            ).fetchone()
             if row is not None:
+                if row[1] and digest and row[1] != digest:
+                    raise ApiError(
+                        409,
+                        f"Idempotency-Key {idempotency_key!r} was already used for a different body; "
+                        "send new data with a new key (a retry must repeat the same bytes)",
+                    )
                 return dict(json.loads(row[0]))
         m = self.mirror
         if generation != self.generation:
@@ -404,8 +538,8 @@ class Store:
         )
         if idempotency_key is not None:
             self.db.execute(
-                "INSERT INTO idempotency(key, response, created_at) VALUES(?, ?, ?)",
-                (idempotency_key, json.dumps(response), now),
+                "INSERT INTO idempotency(key, response, created_at, digest) VALUES(?, ?, ?, ?)",
+                (idempotency_key, json.dumps(response), now, digest),
             )
         if self._enqueues_since_prune >= 1000:
             self.db.execute("DELETE FROM idempotency WHERE created_at < ?", (now - self.idempotency_ttl_s,))
@@ -502,10 +636,11 @@ class Store:
         m = self.mirror
         if m.queued_sequences < batch_size:
             return None
+        now = self.clock()
         allocations = {
             e.env_id: e.min_batch_allocation
             for e in m.envs.values()
-            if e.connected and e.min_batch_allocation is not None
+            if e.min_batch_allocation is not None and self._live(e, now)
         }
         smallest: dict[int, int] = {}
         for env_id, size in m.counts:
@@ -543,7 +678,9 @@ class Store:
         """Atropos' /status-env numbers: how much of the queue is this environment's, and its weight."""
         m = self.mirror
         me = self._env(env_id)
-        connected = [e for e in m.envs.values() if e.connected]
+        self._seen(env_id)
+        now = self.clock()
+        connected = [e for e in m.envs.values() if self._live(e, now)]
         total = sum(e.max_token_length * max(0.0, e.weight) for e in connected)
         weight = me.max_token_length * me.weight / total if total > 0 else 1.0
         weight = max(MIN_ENV_WEIGHT, weight)
