@@ -36,7 +36,7 @@ from ..protocol import TOOLS
 from ..tokens import ChatFormat
 from .base import InferenceError, Reply, Turn
 from .openai_chat import chat_replies
-from .pool import ServerPool
+from .pool import ServerPool, affinity_key
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class OpenAICompletionsPolicy:
     async def respond(self, turn: Turn) -> Reply:
         path = self._path or await self._decide_path()
         if path == COMPLETIONS_PATH:
-            return (await self._complete(turn.prompt_ids, 1, turn.seed))[0]
+            return (await self._complete(turn.prompt_ids, 1, turn.seed, affinity_key(turn.messages)))[0]
         return (await self._chat(turn.messages, 1, turn.seed))[0]
 
     async def respond_many(self, turn: Turn, n: int) -> list[Reply]:
@@ -305,9 +305,10 @@ class OpenAICompletionsPolicy:
         ask = self._complete if path == COMPLETIONS_PATH else self._chat
         source = turn.prompt_ids if path == COMPLETIONS_PATH else turn.messages
         first = n if (path == CHAT_PATH or self.api.supports_n) else 1
-        replies = (await ask(source, first, turn.seed))[:n]
+        key = affinity_key(turn.messages)  # every answer to the shared prompt goes to one server's cache
+        replies = (await ask(source, first, turn.seed, key))[:n]
         if len(replies) < n:
-            more = await asyncio.gather(*(ask(source, 1, turn.seed + i) for i in range(len(replies), n)))
+            more = await asyncio.gather(*(ask(source, 1, turn.seed + i, key) for i in range(len(replies), n)))
             replies += [r[0] for r in more]
         return replies
 
@@ -316,9 +317,9 @@ class OpenAICompletionsPolicy:
 
     # -- the token-id path ---------------------------------------------------------
 
-    async def _complete(self, prompt_ids: Sequence[int], n: int, seed: int) -> list[Reply]:
+    async def _complete(self, prompt_ids: Sequence[int], n: int, seed: int, key: str | None = None) -> list[Reply]:
         api = self.api
-        data = await self.pool.post(api.path, api.body(self.model, prompt_ids, n, seed & 0x7FFFFFFF, self.sampling))
+        data = await self.pool.post(api.path, api.body(self.model, prompt_ids, n, seed & 0x7FFFFFFF, self.sampling), key)
         try:
             samples = api.samples(data)
         except MalformedAnswer as exc:
@@ -354,7 +355,7 @@ class OpenAICompletionsPolicy:
 
     # -- the chat-text path --------------------------------------------------------
 
-    async def _chat(self, messages: Sequence[dict], n: int, seed: int) -> list[Reply]:
+    async def _chat(self, messages: Sequence[dict], n: int, seed: int, key: str | None = None) -> list[Reply]:
         s = self.sampling
         body: dict[str, Any] = {
             "model": self.model,
@@ -368,7 +369,7 @@ class OpenAICompletionsPolicy:
         }
         if self.native_tools:
             body["tools"] = TOOLS
-        data = await self.pool.post("/v1/chat/completions", body)
+        data = await self.pool.post("/v1/chat/completions", body, key)
         return chat_replies(data, "/v1/chat/completions")
 
     # -- choosing the path ---------------------------------------------------------
