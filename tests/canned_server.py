@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
 class CannedServer:
-    def __init__(self, answer: Any, status: int = 200) -> None:
-        self.answer, self.status = answer, status
+    def __init__(self, answer: Any, status: int = 200, delay_s: float = 0.0) -> None:
+        self.answer, self.status, self.delay_s = answer, status, delay_s
         self.posts = 0
         outer = self
 
@@ -24,6 +25,7 @@ class CannedServer:
             def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 outer.posts += 1
+                time.sleep(outer.delay_s)  # a slow model: keeps a run going while a test stops it
                 self._send(outer.status, outer.answer)
 
             def do_GET(self) -> None:  # noqa: N802

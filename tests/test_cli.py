@@ -1,6 +1,7 @@
 """The real command line, run as subprocesses: what scripts and docs rely on."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -116,3 +117,107 @@ def test_process_and_evaluate_on_the_embedded_model(tmp_path):
     m = json.loads((tmp_path / "e" / "metrics.json").read_text())
     assert m["policy"]["constrained"] is True and m["invalid"]["rate"] == 0.0 and m["episodes_played"] == 4
     assert "Evaluation of" in proc.stdout
+
+
+# -- user errors: one line, a non-zero exit, no traceback, no output that looks complete --------
+
+def _yaml(tmp_path, text):
+    path = tmp_path / "settings.yaml"
+    path.write_text(text)
+    return ["--config", str(path)]
+
+
+USER_ERRORS = {
+    "YAML syntax": (lambda t: _yaml(t, "episode:\n  invalid_score: [1\n"), {}, "not valid YAML at line"),
+    "YAML list": (lambda t: _yaml(t, "- policy\n- episode\n"), {}, "must hold a mapping"),
+    "YAML unknown key": (lambda t: _yaml(t, "episode:\n  invalid_scor: 1\n"), {}, "episode.invalid_scor"),
+    "YAML NaN": (lambda t: _yaml(t, "episode:\n  invalid_score: .nan\n"), {}, "finite number"),
+    "NaN invalid score": (lambda t: ["--invalid-score", "nan"], {}, "--invalid-score"),
+    "inf format bonus": (lambda t: ["--format-bonus=inf"], {}, "--format-bonus"),
+    "-inf format bonus": (lambda t: ["--format-bonus=-inf"], {}, "--format-bonus"),
+    "NaN temperature": (lambda t: ["--temperature", "nan"], {}, "--temperature"),
+    "inf top-p": (lambda t: ["--top-p", "inf"], {}, "--top-p"),
+    "inf timeout": (lambda t: ["--timeout", "inf"], {}, "--timeout"),
+    "NaN from the environment": (lambda t: [], {"BLACKJACK_RL_EPISODE__FORMAT_BONUS": "nan"}, "format_bonus"),
+    "not JSON in the environment": (lambda t: [], {"BLACKJACK_RL_POLICY__SERVERS": "http://x"}, "holds JSON"),
+    "--out under a file": (lambda t: ["--out", str(_file(t) / "run")], {}, "cannot write to the output folder"),
+    "--out is a file": (lambda t: ["--out", str(_file(t))], {}, "cannot write to the output folder"),
+}
+
+
+def _file(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("x")
+    return path
+
+
+def _one_error_line(proc):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("command", ["evaluate", "process"])
+@pytest.mark.parametrize("case", list(USER_ERRORS))
+def test_user_errors_are_one_line_and_a_non_zero_exit(case, command, tmp_path):
+    args, env, expected = USER_ERRORS[case]
+    extra = args(tmp_path)
+    out = [] if "--out" in extra else ["--out", str(tmp_path / "run")]
+    count = ["--episodes", "3"] if command == "evaluate" else ["--groups", "1", "--group-size", "2"]
+    proc = subprocess.run([*CLI, command, "--policy", "optimal", *count, *out, *extra, "--quiet"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert expected in _one_error_line(proc)
+    assert not (tmp_path / "run" / "metrics.json").exists() and not (tmp_path / "run" / "groups.jsonl").exists()
+
+
+def test_api_settings_from_the_environment_that_are_not_json_are_one_line():
+    proc = subprocess.run([*CLI, "api", "--port", "1"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "BLACKJACK_RL_API_CORS_ORIGINS": "https://example.org"})
+    assert "BLACKJACK_RL_API_CORS_ORIGINS" in _one_error_line(proc)
+
+
+def _stop_when(server, proc, posts):
+    """SIGINT once the server has answered `posts` requests (counted, so the run is surely under way)."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + 120
+    while server.posts < posts and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1]
+    proc.send_signal(signal.SIGINT)
+    return proc.communicate(timeout=60)
+
+
+def test_a_stopped_run_leaves_no_file_that_looks_complete(tmp_path, gguf_path):
+    """A finished run's folder is reused by a run that is stopped half way: none of the old
+    files remain to be mistaken for the new run's, and none of the new ones is half written."""
+    from canned_server import CannedServer, chat_answer
+
+    from blackjack_rl.protocol import STICK, tool_call_text
+
+    out = tmp_path / "run"
+    run("evaluate", "--policy", "optimal", "--episodes", "20", "--out", str(out), "--quiet")
+    run("process", "--policy", "optimal", "--groups", "2", "--group-size", "2", "--out", str(out), "--quiet")
+    assert {"metrics.json", "samples.jsonl", "report.html", "groups.jsonl"} <= {p.name for p in out.iterdir()}
+    slow = ["--policy", "openai", "--model", "m", "--tokenizer", str(gguf_path), "--concurrency", "1", "--quiet",
+            "--out", str(out)]
+    with CannedServer(chat_answer({"role": "assistant", "content": tool_call_text(STICK)}), delay_s=0.05) as server:
+        proc = subprocess.Popen([*CLI, "evaluate", *slow, "--base-url", server.url, "--episodes", "400"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _, stderr = _stop_when(server, proc, 5)
+        assert proc.returncode != 0 and "Traceback" not in stderr
+        left = {p.name for p in out.iterdir()}
+        assert not left & {"metrics.json", "samples.jsonl", "report.html", "samples.jsonl.partial"}, left
+
+        server.posts = 0
+        proc = subprocess.Popen([*CLI, "process", *slow, "--base-url", server.url, "--groups", "400",
+                                 "--group-size", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _, stderr = _stop_when(server, proc, 5)
+    assert proc.returncode != 0 and "Traceback" not in stderr
+    left = {p.name for p in out.iterdir()}
+    assert "groups.jsonl" not in left and "groups.jsonl.partial" in left  # what it wrote, under a telling name
+    for line in (out / "groups.jsonl.partial").read_text().splitlines():
+        json.loads(line)  # whole lines only

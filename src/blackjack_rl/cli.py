@@ -6,10 +6,12 @@ import argparse
 import asyncio
 import json
 import logging
+import sqlite3
 import sys
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 from rich.console import Console
 
 from .api.client import ApiRejected, ApiUnavailable
@@ -370,22 +372,42 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     return cmd_train(args, console, settings_from_args, sys.argv[1:])
 
 
+def user_error(exc: BaseException) -> str:
+    """A user error in one line: each bad setting by its flag where it has one, and what is wrong."""
+    if isinstance(exc, ValidationError):
+        flags = {where: "--" + flag.replace("_", "-") for flag, where in _OVERRIDES.items()}
+        parts = []
+        for error in exc.errors(include_url=False):
+            loc = tuple(str(part) for part in error["loc"])
+            flag = flags.get((loc[0], loc[1]) if len(loc) > 1 else (None, loc[0]) if loc else None)
+            name = ".".join(loc) or "settings"
+            parts.append(f"{name}{f' ({flag})' if flag else ''}: {error['msg']}")
+        return "; ".join(parts)
+    if isinstance(exc, SettingsError):  # raised for environment variables only
+        return (f"{exc}: an environment variable for a list or mapping setting holds JSON, "
+                """e.g. BLACKJACK_RL_API_CORS_ORIGINS='["https://example.org"]'""")
+    if isinstance(exc, sqlite3.DatabaseError):
+        return f"database error: {exc} (is it a blackjack-rl database, and not damaged?)"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["api"]:
-        from .api.cli import main as api_main
-
-        return api_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    console = Console(stderr=False)
-    handlers = {"solve": _cmd_solve, "process": _cmd_process, "evaluate": _cmd_evaluate, "serve": _cmd_serve,
-                "compare": _cmd_compare, "train": _cmd_train}
     try:
+        if argv[:1] == ["api"]:
+            from .api.cli import main as api_main
+
+            return api_main(argv[1:])
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s")
+        console = Console(stderr=False)
+        handlers = {"solve": _cmd_solve, "process": _cmd_process, "evaluate": _cmd_evaluate, "serve": _cmd_serve,
+                    "compare": _cmd_compare, "train": _cmd_train}
         return handlers[args.command](args, console)
-    except (ValidationError, ValueError, FileNotFoundError, ImportError, *ApiError) as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}")
+    except (ValueError, OSError, ImportError, sqlite3.Error, *ApiError) as exc:  # ValidationError is a ValueError
+        # plain print: rich would wrap a long message over several lines and read [..] as markup
+        print(f"error: {user_error(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
 
@@ -20,7 +21,9 @@ PolicyKind = Literal["embedded", "openai", "optimal", "threshold", "random", "hf
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinity are never meant: a NaN score or temperature would be written into
+    # metrics.json (invalid JSON) or sampled with, instead of being refused here.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class GameConfig(_Section):
@@ -190,7 +193,8 @@ class TrainConfig(_Section):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="BLACKJACK_RL_", env_nested_delimiter="__", extra="forbid", nested_model_default_partial_update=True
+        env_prefix="BLACKJACK_RL_", env_nested_delimiter="__", extra="forbid", nested_model_default_partial_update=True,
+        allow_inf_nan=False,
     )
 
     seed: int = Field(0, description="base seed: fixes the deals (process) and sampling seeds")
@@ -219,4 +223,24 @@ def load_settings(config_file: str | Path | None = None, overrides: dict[str, An
                 sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
             return tuple(sources)
 
+    if config_file is not None:
+        _check_yaml(Path(config_file))
     return _Loaded(**(overrides or {}))
+
+
+def _check_yaml(path: Path) -> None:
+    """A settings file must be YAML text holding a mapping; say where it is not, in one line
+    (the YAML source would raise a multi-line parser error or a puzzling TypeError)."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {path} is not UTF-8 text") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"config file {path} is not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of sections (policy:, episode:, ...), "
+                         f"not a {type(data).__name__}")

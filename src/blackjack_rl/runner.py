@@ -16,6 +16,7 @@ from .config import Settings
 from .episode import Episode, EpisodeSettings
 from .evaluate import compute_metrics, run_evaluation
 from .groups import GroupResult, Player, play_deal
+from .outputs import prepare_folder, write_text, writing
 from .solver import solve
 from .tokens import ChatFormat, HFTokenizer, LlamaCppTokenizer, embedded_model_path
 
@@ -154,8 +155,9 @@ async def _local_deals(settings: Settings, player: Player, seeds: list[int]) -> 
 
 async def run_process(settings: Settings, player: Player, progress: bool = True,
                       deals: DealSource | None = None) -> ProcessSummary:
-    out = Path(settings.out)
-    out.mkdir(parents=True, exist_ok=True)
+    """Groups stream into groups.jsonl.partial, renamed to groups.jsonl only when the run ends well
+    (a stopped run keeps what it wrote under the .partial name)."""
+    out = prepare_folder(settings.out, "groups.jsonl")
     path = out / "groups.jsonl"
     seeds = group_seeds(settings.seed, settings.process.groups)
     # written in seed order, so the same --seed writes the same file
@@ -168,7 +170,7 @@ async def run_process(settings: Settings, player: Player, progress: bool = True,
 
     # The viewer grows with the file (one chunk at a time), never rebuilt from it.
     view = DatasetView(out / "groups.html", player.chat.backend, source=path.name)
-    with path.open("w", encoding="utf-8") as fh:
+    with writing(path, keep_partial=True) as fh:
         async for deal_results in results:
             for result in deal_results:
                 # step groups carry per-answer metadata, not Episode records
@@ -201,8 +203,9 @@ def episode_rows(episodes) -> list[dict[str, Any]]:
 
 async def run_evaluate(settings: Settings, player: Player, progress: bool = True,
                        play: EpisodeSource | None = None) -> dict[str, Any]:
-    out = Path(settings.out)
-    out.mkdir(parents=True, exist_ok=True)
+    """Writes samples.jsonl, report.html, then metrics.json, each whole or not at all: a folder
+    with a metrics.json holds a finished run, and only this run's files."""
+    out = prepare_folder(settings.out, "metrics.json", "samples.jsonl", "report.html")
     n = settings.evaluate.episodes
     bar = tqdm(total=n, desc="episodes", unit="ep", disable=not progress)
     t0 = time.perf_counter()
@@ -215,13 +218,18 @@ async def run_evaluate(settings: Settings, player: Player, progress: bool = True
     metrics = compute_metrics(episodes, player)
     metrics["seconds"] = seconds
     metrics["episodes_per_second"] = len(episodes) / seconds if seconds > 0 else None
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    try:
+        metrics_text = json.dumps(metrics, indent=2, allow_nan=False) + "\n"
+    except ValueError:
+        raise ValueError("the metrics hold a number that is not finite (NaN or infinity); nothing was written. "
+                         "Check --invalid-score and --format-bonus") from None
     rows = episode_rows(episodes)
     if settings.evaluate.samples:
-        with (out / "samples.jsonl").open("w", encoding="utf-8") as fh:
+        with writing(out / "samples.jsonl") as fh:
             for row in rows:
                 fh.write(json.dumps(row) + "\n")
     from .report.evaluation import write_report
 
     write_report(out / "report.html", metrics, rows, player.solution)
+    write_text(out / "metrics.json", metrics_text)  # last: its presence says the run is complete
     return metrics

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..outputs import prepare_folder, write_text
 from ..compare import QUANTITIES, Comparison, Run, verdict
 from . import plots
 from .modes import decoding_mode
@@ -74,9 +75,8 @@ def render_comparison(runs: Sequence[Run], comparisons: Sequence[Comparison]) ->
 
 
 def write_comparison(out: Path, runs: Sequence[Run], comparisons: Sequence[Comparison]) -> tuple[Path, Path]:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_folder(out, "compare.json")
     html, data = out / "compare.html", out / "compare.json"
-    html.write_text(render_comparison(runs, comparisons), encoding="utf-8")
-    data.write_text(json.dumps(comparison_json(runs, comparisons), indent=2) + "\n", encoding="utf-8")
+    write_text(html, render_comparison(runs, comparisons))
+    write_text(data, json.dumps(comparison_json(runs, comparisons), indent=2, allow_nan=False) + "\n")  # last
     return html, data

@@ -23,14 +23,14 @@ for trained positions only (masked positions carry 1.0 by convention).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..outputs import write_text
 from ..tokens import MASKED
-from .html import environment
+from .html import environment, script_json
 
 CHUNK_GROUPS = 200
 FLUSH_SECONDS = 5.0
@@ -161,7 +161,7 @@ class DatasetView:
         self._write_manifest(complete=False)
         page = environment().get_template("viewer.html.jinja").render(
             title=f"blackjack-rl dataset: {source}", data_dir=self.data_dir.name)
-        self.html_path.write_text(page, encoding="utf-8")
+        write_text(self.html_path, page)
 
     # -- feeding --------------------------------------------------------------------------
 
@@ -237,11 +237,8 @@ class DatasetView:
         self._write_js("manifest.js", "VIEW.manifest(", manifest)
 
     def _write_js(self, name: str, call: str, payload: Any) -> None:
-        text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
-        path = self.data_dir / name
-        tmp = path.with_name(name + ".tmp")
-        tmp.write_text(f"{call}{text});\n", encoding="utf-8")
-        os.replace(tmp, path)  # a page opened mid-run never reads half a file
+        # whole or absent: a page opened mid-run never reads half a file
+        write_text(self.data_dir / name, f"{call}{script_json(payload)});\n")
 
 
 def write_dataset_view(jsonl: Path, html: Path, tokenizer: Any | None = None, **kwargs: Any) -> Path:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..outputs import write_text
 from ..solver import Solution, solve
 from . import plots
 from .episodes import compact, invalid_examples, sample
@@ -106,8 +107,4 @@ def render_report(metrics: dict[str, Any], rows: Iterable[dict[str, Any]], solut
 
 def write_report(path: Path, metrics: dict[str, Any], rows: Iterable[dict[str, Any]],
                  solution: Solution | None = None) -> Path:
-    path = Path(path)
-    tmp = path.with_suffix(".html.tmp")
-    tmp.write_text(render_report(metrics, rows, solution), encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return write_text(path, render_report(metrics, rows, solution))

@@ -28,10 +28,19 @@ def num(v: float | None, digits: int = 4) -> str:
     return "–" if v is None else f"{v:.{digits}f}"
 
 
+# In JSON text these characters occur only inside strings, where \uXXXX means the same
+# character; escaped, no answer can close the <script> element (`</script>`), open an
+# HTML comment in it (`<!--`, which hides the rest of the script from the parser), or
+# end a line in older JavaScript (U+2028, U+2029, escaped by ensure_ascii like every
+# non-ASCII character and every lone surrogate).
+_SCRIPT_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"})
+
+
 def script_json(value: Any) -> str:
-    """JSON safe inside <script type="application/json">: no early `</script>`, no NaN."""
-    text = json.dumps(value, separators=(",", ":"), allow_nan=False, default=_plain)
-    return text.replace("</", "<\\/").replace("<!--", "<\\!--")
+    """JSON that is the same value inside <script type="application/json">, in a <script>, or in a
+    .js file: ASCII only, no `<`, `>` or `&`, no NaN."""
+    text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=True, default=_plain)
+    return text.translate(_SCRIPT_ESCAPES)
 
 
 def _plain(value: Any) -> Any:
