@@ -186,12 +186,13 @@ class BlackjackEnv:
         info = {"seed": play.seed, "start_value": play.start_value, **self._state_info()}
         return opening_messages(self.observation, self.settings.thinking), info
 
-    def step(self, answer_text: str | None, tool_calls: list | None = None) -> StepResult:
+    def step(self, answer_text: str | None, tool_calls: list | None = None, *, allow_retry: bool = True) -> StepResult:
         """Play one answer: `(observation text | None, reward, terminated, truncated, info)`.
 
         `observation` is the next user turn: the new hand, or the feedback of a re-prompt;
         None when the game is over. `truncated` means the turn limit ended the episode (the
-        observation is then still returned, as Gymnasium does).
+        observation is then still returned, as Gymnasium does). `allow_retry=False` ends the
+        episode on an invalid answer even when re-prompts remain (the caller's rollout is over).
         """
         if self.done or self.observation is None:
             raise RuntimeError("step() after the episode ended: call reset(seed) to deal a new hand")
@@ -208,7 +209,8 @@ class BlackjackEnv:
         }
         if not parsed.valid:
             play.decisions.append(Decision(*obs, natural, None, best, None, parsed.error.value, text))
-            if play.retries < self.settings.invalid_retries and self.turn < self.settings.max_turns:
+            retry_left = play.retries < self.settings.invalid_retries and self.turn < self.settings.max_turns
+            if allow_retry and retry_left:
                 play.retries += 1
                 return retry_text(parsed, obs), 0.0, False, False, self._more(info)
             play.status, play.invalid_reason = "invalid", parsed.error.value
