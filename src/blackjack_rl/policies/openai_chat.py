@@ -197,7 +197,7 @@ def _choice_reply(choice: Any, source: str) -> Reply:
 def content_text(content: Any, source: str, has_tool_calls: bool = False) -> str:
     """`message.content` as text: a string, or the concatenated text of a list of content parts."""
     if isinstance(content, str):
-        return content
+        return _valid_unicode(content)
     if content is None:
         if has_tool_calls:
             return ""  # the OpenAI shape of a native tool call
@@ -210,11 +210,21 @@ def content_text(content: Any, source: str, has_tool_calls: bool = False) -> str
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise InferenceError(f"{source} answered a content part of type {kind!r} without text: {_snippet(part)}")
             pieces.append(piece)
-        return "".join(pieces)
+        return _valid_unicode("".join(pieces))
     raise InferenceError(
         f"{source} answered `message.content` of type {type(content).__name__} (expected a string or a list of "
         f"content parts): {_snippet(content)}"
     )
+
+
+def _valid_unicode(text: str) -> str:
+    """Lone surrogates (a JSON `\\ud800` escape) become U+FFFD, as invalid UTF-8 bytes do when a
+    server decodes them: the tokenizer, the parser and the output files all need valid text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= ch <= "\udfff" else ch for ch in text)
+    return text
 
 
 def _snippet(value: Any, limit: int = 200) -> str:
