@@ -1,0 +1,156 @@
+"""Sticky routing benchmark: prefill tokens two real inference servers compute, with and without stickiness.
+
+Run: python bench/bench_sticky.py [--groups 12] [--group-size 4] [--concurrency 8] [--no-cache]
+
+Two `llama_cpp.server` processes on 127.0.0.1 serve the embedded GGUF (SmolLM2-135M,
+one thread each, `--cache True`: a RAM prefix cache, as vLLM's and SGLang's automatic
+prefix caching), and the server pool plays the same groups (same deals, same sampling
+seeds) twice: least-loaded routing, then sticky routing. Each mode gets freshly started
+servers, so neither inherits the other's cache. Decoding is constrained to valid calls
+(`json_object`), so episodes go on for several turns, whose prompts extend the earlier ones.
+
+Measured, per mode:
+  - prefill tokens computed: the sum of llama.cpp's own `prompt eval ... / N tokens`
+    lines in each server's log (one per request: the tokens it evaluated, i.e. the prompt
+    minus what its cache already held);
+  - requests, and wall time of the whole run.
+llama-cpp-python's server ignores `n`, so a group's answers are separate requests with
+one shared prompt: least-loaded routing spreads them over both servers, sticky routing
+sends them to one. Wall time on a shared machine is noisy; the token counts are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from blackjack_rl.groups import Player, play_group
+from blackjack_rl.policies.openai_chat import structured_output_fields
+from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy
+from blackjack_rl.policies.pool import ServerPool, ServerSpec
+from blackjack_rl.solver import solve
+from blackjack_rl.game import Rules
+from blackjack_rl.tokens import ChatFormat, LlamaCppTokenizer, embedded_model_path
+
+PROMPT_EVAL = re.compile(r"prompt eval time\s*=\s*[\d.]+ ms /\s*(\d+) tokens")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """One `python -m llama_cpp.server` on 127.0.0.1, verbose, its stderr in a log file."""
+
+    def __init__(self, gguf: Path, log: Path, cache: bool) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.log = log
+        with open(log, "wb") as fh:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+                 "--port", str(self.port), "--n_ctx", "2048", "--n_threads", "1", "--verbose", "True",
+                 "--cache", str(cache), "--model_alias", "smollm2"],
+                stdout=fh, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama_cpp.server exited: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/models", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("llama_cpp.server did not come up in 120 s")
+
+    def prefill_tokens(self) -> tuple[int, int]:
+        """(tokens evaluated as prompt, requests), from llama.cpp's per-request perf lines."""
+        counts = [int(m.group(1)) for m in PROMPT_EVAL.finditer(self.log.read_text(errors="replace"))]
+        return sum(counts), len(counts)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def run_mode(sticky: bool, args: argparse.Namespace, chat: ChatFormat, gguf: Path, tmp: Path) -> dict:
+    servers = [LlamaServer(gguf, tmp / f"{'sticky' if sticky else 'plain'}-{i}.log", args.cache) for i in range(2)]
+    try:
+        pool = ServerPool([ServerSpec(s.url) for s in servers], timeout=300, retries=1, sticky=sticky,
+                          max_concurrency=args.concurrency)
+        policy = OpenAICompletionsPolicy(pool, "smollm2", chat, token_path="chat", temperature=1.0,
+                                         max_tokens=args.max_tokens,
+                                         extra_body=structured_output_fields("json_object"))
+        player = Player(policy, chat, solve(Rules()))
+
+        async def main():
+            try:
+                limiter = asyncio.Semaphore(args.concurrency)
+                t0 = time.perf_counter()
+                results = await asyncio.gather(*(play_group(player, 1000 + seed, args.group_size, limiter=limiter)
+                                                 for seed in range(args.groups)))
+                return results, time.perf_counter() - t0, pool.snapshot()
+            finally:
+                await policy.aclose()
+
+        results, seconds, snapshot = asyncio.run(main())
+    finally:
+        for s in servers:
+            s.stop()
+    per_server = [s.prefill_tokens() for s in servers]
+    episodes = [ep for r in results for ep in r.episodes]
+    return {
+        "sticky": sticky,
+        "seconds": seconds,
+        "prefill_tokens": sum(t for t, _ in per_server),
+        "requests": sum(n for _, n in per_server),
+        "per_server": per_server,
+        "episodes": len(episodes),
+        "failed": sum(ep.failed for ep in episodes),
+        "decisions": sum(len(ep.decisions) for ep in episodes),
+        "spilled": sum(s["sticky_spilled_in"] for s in snapshot),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=12)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=8, help="episodes in flight")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--no-cache", dest="cache", action="store_false",
+                    help="servers without the RAM prefix cache (only the last request's KV is reused)")
+    args = parser.parse_args()
+    gguf = Path(embedded_model_path())
+    chat = ChatFormat.learn(LlamaCppTokenizer.from_gguf(str(gguf)))
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [run_mode(False, args, chat, gguf, Path(tmp)), run_mode(True, args, chat, gguf, Path(tmp))]
+    print(f"{args.groups} groups x {args.group_size}, {args.concurrency} episodes in flight, two llama_cpp.server "
+          f"(1 thread each, prefix cache {'on' if args.cache else 'off'}), constrained to valid calls")
+    print(f"{'routing':<14}{'prefill tokens':>16}{'requests':>10}{'decisions':>11}{'failed':>8}{'wall s':>9}"
+          f"   per server (tokens, requests)")
+    for r in rows:
+        print(f"{'sticky' if r['sticky'] else 'least-loaded':<14}{r['prefill_tokens']:>16}{r['requests']:>10}"
+              f"{r['decisions']:>11}{r['failed']:>8}{r['seconds']:>9.1f}   {r['per_server']}")
+    plain, sticky = rows
+    if plain["prefill_tokens"]:
+        print(f"sticky / least-loaded: prefill tokens x{sticky['prefill_tokens'] / plain['prefill_tokens']:.2f}, "
+              f"wall time x{sticky['seconds'] / plain['seconds']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
