@@ -181,6 +181,46 @@ def test_report_lists_invalid_answers_by_reason_with_real_examples(browser, tmp_
         page.close()
 
 
+EVIL = "</script><script>window.pwned = 1</script> <!-- <script> x \u2028 y \u2029 z \ud800 & &amp; ' \" \\"
+
+
+class SaysAnything(RandomBot):
+    """A random player whose every answer carries text that would break a naive page."""
+
+    async def respond(self, turn):
+        reply = await super().respond(turn)
+        return Reply(text=EVIL.replace("\ud800", "") + reply.text)
+
+
+def test_report_episode_browser_shows_any_answer_text(browser, tmp_path, vocab_chat, solution):
+    """`<!--` in an answer once hid every episode (the escaping made invalid JSON); `</script>`,
+    line separators and lone surrogates are the rest of that class."""
+    from blackjack_rl.evaluate import compute_metrics, run_evaluation
+    from blackjack_rl.report.evaluation import write_report
+    from blackjack_rl.runner import episode_rows
+
+    player = Player(SaysAnything(), vocab_chat, solution, EpisodeSettings())
+    with ThreadPoolExecutor(1) as pool:  # playwright owns this thread's event loop
+        episodes = pool.submit(asyncio.run, run_evaluation(player, 30, 8)).result()
+    rows = episode_rows(episodes)
+    for row in rows:  # a lone surrogate cannot be tokenized, but may arrive in the text of a row
+        row["messages"][-1]["content"] = EVIL + row["messages"][-1]["content"]
+    write_report(tmp_path / "report.html", compute_metrics(episodes, player), rows, solution)
+    page = Opened(browser, tmp_path / "report.html")
+    try:
+        page.assert_clean()
+        assert page.page.evaluate("window.pwned") is None
+        assert page.page.locator("#eplist .item").count() == 30
+        assert page.page.locator("#eplist .item").first.get_attribute("data-seed") == str(rows[0]["seed"])
+        shown = page.page.inner_text("#epdetail")
+        assert "</script><script>window.pwned = 1</script> <!-- <script> x" in shown and "take_action" in shown
+        answers = page.page.evaluate(
+            "JSON.parse(document.getElementById('episodes-data').textContent).episodes.map(e => e.messages.at(-1)[1])")
+        assert answers == [row["messages"][-1]["content"] for row in rows]
+    finally:
+        page.close()
+
+
 # --- the comparison page ---------------------------------------------------------------------
 
 def test_compare_page_opens_clean_and_shows_the_paired_verdict(browser, threshold_run, tmp_path):

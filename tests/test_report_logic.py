@@ -159,3 +159,66 @@ def test_figures_are_plain_inline_svg():
     forest = paired_forest([{"label": "b − a", "mean": -0.03, "low": -0.05, "high": -0.01, "significant": True,
                              "good": False}])
     assert "#c62828" in forest and "href" not in forest  # nothing fetched from anywhere
+
+
+# -- any text a model writes is embedded safely in the pages' scripts --------------------------
+
+EVIL = ("</script><script>window.pwned=1</script> <!-- <script> --> \u2028 line \u2029 para "
+        "\ud800 lone \udfff & &amp; > ' \" \\ \x00 end")
+
+
+def _evil_rows():
+    from blackjack_rl.protocol import HIT, tool_call_text
+
+    text = EVIL + tool_call_text(HIT)
+    rows = []
+    for seed, status in ((1, "finished"), (2, "invalid")):
+        decision = _decision(12, 10, 0, "hit" if status == "finished" else None, "hit", text=text)
+        row = _row(seed, status=status, decisions=[decision], reason=None if status == "finished" else "no_call")
+        row["messages"] = [{"role": "system", "content": "sys " + EVIL}, {"role": "user", "content": "deal"},
+                           {"role": "assistant", "content": text}]
+        rows.append(row)
+    return rows, text
+
+
+def test_report_embeds_any_answer_as_json_that_parses_back(tmp_path, solution):
+    from blackjack_rl.evaluate import EVAL_SEED_BASE
+    from blackjack_rl.report.evaluation import write_report
+    from blackjack_rl.solver import baselines
+
+    rows, text = _evil_rows()
+    ref = {k: {"value": o.value, "win": o.win, "draw": o.draw, "loss": o.loss} for k, o in baselines(solution.rules).items()}
+    rate = {"rate": 0.5, "ci95_low": 0.1, "ci95_high": 0.9}
+    metrics = {"policy": {"model": EVIL}, "rules": solution.rules.model_dump(), "seeds": {"first": EVAL_SEED_BASE, "count": 2},
+               "episodes": 2, "episodes_played": 2, "episodes_failed": 0, "failure_examples": [],
+               "win": rate, "draw": rate, "loss": rate, "invalid": rate,
+               "invalid_by_reason": {"no_call": {"count": 1, "rate": 0.5}},
+               "mean_reward": {"mean": -1.0, "ci95_low": -1.0, "ci95_high": -1.0, "stderr": 0.0, "n": 2},
+               "mean_expected_score": {"mean": -1.0, "ci95_low": -1.0, "ci95_high": -1.0, "stderr": 0.0, "n": 2},
+               "mean_game_reward": {"mean": -1.0, "ci95_low": None, "ci95_high": None, "stderr": None, "n": 1},
+               "decisions": 2, "valid_decisions": 1, "decision_accuracy": rate, "decision_accuracy_valid": rate,
+               "mean_regret": {"mean": 0.0, "ci95_low": None, "ci95_high": None, "stderr": None, "n": 1},
+               "reference": ref, "optimal_value": ref["optimal"]["value"], "invalid_score": -1.0}
+    path = write_report(tmp_path / "report.html", metrics, rows, solution)  # lone surrogates: written, not raised
+    html = path.read_text(encoding="utf-8")
+    block = re.search(r'<script type="application/json" id="episodes-data">(.*?)</script>', html, re.S).group(1)
+    data = json.loads(block)  # the element ends where the data ends, and what is inside is JSON
+    assert [m[1] for m in data["episodes"][0]["messages"][1:]] == ["deal", text]
+    assert data["system"] == ["sys " + EVIL]
+    assert "<!--" not in block and "\u2028" not in block and block.isascii()
+
+
+def test_dataset_view_scripts_hold_any_answer(tmp_path):
+    rows, text = _evil_rows()
+    group = {"tokens": [[1, 2, 3]], "masks": [[-100, 2, 3]], "scores": [1.0], "inference_logprobs": [[1.0, -0.5, -0.1]],
+             "messages": [rows[0]["messages"]], "generation_params": {"model": EVIL},
+             "episodes": [{"seed": 1, "invalid_reason": EVIL, "scores": {}}]}
+    with DatasetView(tmp_path / "groups.html") as view:
+        view.add(group)
+    chunk = (tmp_path / "groups-view" / "chunk-0000.js").read_text(encoding="utf-8")
+    assert chunk.startswith("VIEW.chunk(0,") and chunk.endswith(");\n") and chunk.isascii()
+    payload = json.loads(chunk[len("VIEW.chunk(0,"):-3])  # JSON is also the JavaScript the page runs
+    msgs = payload["groups"][0]["seqs"][0]["msgs"]
+    assert msgs[-1] == ["assistant", text] and payload["systems"] == ["sys " + EVIL]
+    manifest = (tmp_path / "groups-view" / "manifest.js").read_text(encoding="utf-8")
+    assert json.loads(manifest[len("VIEW.manifest("):-3])["reasons"] == [EVIL]
