@@ -21,26 +21,22 @@ from ..env import BlackjackEnv, EnvSettings, solution_for
 from ..game import Rules
 from ..protocol import TOOL_NAME
 
-_SETTING_FIELDS = set(EnvSettings.__dataclass_fields__)
-
 
 class GameOver(RuntimeError):
     """Raised by `take_action` after the hand ended; TRL shows the message to the model."""
 
 
 class BlackjackTRLEnv:
-    """One Blackjack hand per rollout. Subclass, or use `with_settings`, to change rules or scoring."""
+    """One Blackjack hand per rollout; `trl_environment(...)` makes one with other rules or scoring.
+
+    Every public method is a tool to TRL, so this class has exactly one: `take_action`.
+    """
 
     rules: Rules = Rules()
     settings: EnvSettings = EnvSettings()
 
     def __init__(self) -> None:
         self.env = BlackjackEnv(solution_for(self.rules), self.settings)
-
-    @classmethod
-    def with_settings(cls, natural: bool = False, sab: bool = False, **settings: Any) -> type[BlackjackTRLEnv]:
-        """A factory class for other rules or settings (TRL calls the factory with no arguments)."""
-        return type(cls.__name__, (cls,), {"rules": Rules(natural=natural, sab=sab), "settings": EnvSettings(**settings)})
 
     def reset(self, seed: int | None = None, **row: Any) -> str | None:
         """Deal the row's seed. The row's prompt already shows this deal, so nothing is appended."""
@@ -82,6 +78,12 @@ class BlackjackTRLEnv:
         return float(self.env.play.score)
 
 
+def trl_environment(natural: bool = False, sab: bool = False, **settings: Any) -> type[BlackjackTRLEnv]:
+    """An `environment_factory` for other rules or `EnvSettings` (TRL calls it with no arguments)."""
+    attrs = {"rules": Rules(natural=natural, sab=sab), "settings": EnvSettings(**settings)}
+    return type(BlackjackTRLEnv.__name__, (BlackjackTRLEnv,), attrs)
+
+
 def _final_answer(completion: list[dict[str, Any]]) -> str | None:
     """The text of the last assistant message, when TRL did not run it as tool calls."""
     if not completion or completion[-1].get("role") != "assistant" or completion[-1].get("tool_calls"):
@@ -114,15 +116,43 @@ def prompt_dataset(seeds: Iterable[int], natural: bool = False, sab: bool = Fals
     return Dataset.from_list(prompt_rows(seeds, natural, sab, thinking))
 
 
-def tool_chat_tokenizer(tokenizer: Any) -> Any:
-    """Give a ChatML tokenizer whose template cannot render tool calls (SmolLM2's) TRL's Hermes
-    ChatML template, the `<tool_call>` format our prompt teaches, so TRL can render and parse calls."""
-    from trl.chat_template_utils import qwen2_5_chat_template, supports_tool_calling
+# Transformers' response-parsing spec (>= 5.13) for a ChatML answer with Hermes `<tool_call>` blocks.
+# TRL < 1.0 sets only the older `response_schema`, which those transformers no longer read.
+HERMES_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
 
-    if not supports_tool_calling(tokenizer):
+
+def tool_chat_tokenizer(tokenizer: Any) -> Any:
+    """Make a tokenizer ready for TRL's tool loop. A ChatML template TRL cannot parse tool calls
+    from (SmolLM2's has no tool role) is replaced by TRL's Qwen3 ChatML template, whose
+    `<tool_call>` blocks are the format our prompt teaches; TRL then renders and parses calls."""
+    from trl.chat_template_utils import add_response_schema, qwen3_chat_template
+
+    try:
+        add_response_schema(tokenizer)
+    except ValueError:
         if "<|im_start|>" not in tokenizer.get_vocab():
-            raise ValueError("the tokenizer's template cannot render tool calls and it is not ChatML: set a tool-calling template")
-        tokenizer.chat_template = qwen2_5_chat_template
+            raise ValueError(
+                "TRL cannot parse tool calls with this tokenizer's chat template and it is not ChatML: "
+                "set a template TRL knows (see trl.chat_template_utils)"
+            ) from None
+        tokenizer.chat_template = qwen3_chat_template
+        add_response_schema(tokenizer)
+    if getattr(tokenizer, "response_template", None) is None:
+        tokenizer.response_template = HERMES_RESPONSE_TEMPLATE
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
