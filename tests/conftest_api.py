@@ -92,13 +92,16 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "blackjack_rl.api", "--port", str(self.port), "--db", str(self.db),
+                "--log-level", "warning", *self.args]
+
     def start(self, timeout_s: float = 20.0) -> ServerProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
         env.pop("BLACKJACK_RL_API_TOKEN", None)
         env.update(self.extra_env)
-        cmd = [sys.executable, "-m", "blackjack_rl.api", "--port", str(self.port), "--db", str(self.db),
-               "--log-level", "warning", *self.args]
+        cmd = self.command()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -128,3 +131,13 @@ class ServerProcess:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+class RunApiProcess(ServerProcess):
+    """Atropos' own trajectory API (`run-api` of atroposlib 0.4.0), on 127.0.0.1, killable by PID.
+
+    It keeps everything in memory; `db` only names its log file.
+    """
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "atroposlib.cli.run_api", "--host", "127.0.0.1", "--port", str(self.port)]

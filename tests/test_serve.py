@@ -142,3 +142,119 @@ def test_serve_without_api_gives_a_clear_error(tmp_path):
     serve = start_serve(f"http://127.0.0.1:{free_port()}", tmp_path / "w", "--register-timeout", "2")
     out, _ = serve.communicate(timeout=120)
     assert serve.returncode == 2 and "error" in out
+
+
+def _registered_env_ids(out: Path) -> list[int]:
+    return [r["env_id"] for r in metrics_rows(out) if r["kind"] == "registered"]
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=90)
+    return out
+
+
+def test_a_restarted_worker_continues_its_deals(tmp_path):
+    """Same --worker-id and --seed, same OUT: the second run plays new deals, not the first run's again."""
+    api = ServerProcess(tmp_path / "api.sqlite").start()
+    try:
+        trainer = TrainerClient(api.url)
+        trainer.register({**ATROPOS_REGISTRATION, "batch_size": 8})
+        assert trainer.get_batch() is None  # the trainer has started: workers may register
+        seen = Pulled()
+        for _ in range(2):
+            serve = start_serve(api.url, tmp_path / "w", "--max-groups", "3")
+            out, _ = serve.communicate(timeout=90)
+            assert serve.returncode == 0, out
+        pull(trainer, 6, 60, seen)
+        assert len(seen) == 6 and len({group_key(g) for g in seen}) == 6
+        state = json.loads((tmp_path / "w" / "serve_state.json").read_text())
+        assert [s["watermark"] for s in state["streams"].values()] == [6]
+        assert len(set(_registered_env_ids(tmp_path / "w"))) == 1  # the second run took over env 0
+    finally:
+        api.kill()
+
+
+def test_a_killed_worker_with_a_minimum_share_restarts_without_stalling_or_repeating(tmp_path):
+    """SIGKILL a worker that is owed half of every batch, restart it: training goes on, nothing twice.
+
+    Without takeover the restarted worker registers anew and the dead registration stays
+    owed its share: no batch forms again (the API's lease is far longer than this test).
+    """
+    api = ServerProcess(tmp_path / "api.sqlite").start()
+    a = b = None
+    try:
+        trainer = TrainerClient(api.url)
+        trainer.register({**ATROPOS_REGISTRATION, "batch_size": 8})
+        a_args = ("--min-batch-allocation", "0.5", "--max-batches-offpolicy", "1")
+        a = start_serve(api.url, tmp_path / "a", *a_args)
+        b = start_serve(api.url, tmp_path / "b", "--worker-id", "w2", "--max-batches-offpolicy", "1")
+        seen = Pulled()
+        pull(trainer, 4, 90, seen)
+        assert len(seen) >= 4
+        os.kill(a.pid, signal.SIGKILL)
+        a.wait(timeout=30)
+        a = start_serve(api.url, tmp_path / "a", *a_args)
+        pull(trainer, len(seen) + 8, 120, seen)
+        assert len(seen) >= 12, f"training stalled after the restart: {len(seen)} groups"
+        ids = _registered_env_ids(tmp_path / "a")
+        assert len(ids) == 2 and ids[0] == ids[1]
+        assert len({group_key(g) for g in seen}) == len(seen)  # no group reached the trainer twice
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        api.kill()
+
+
+def test_a_killed_worker_stops_holding_batches(tmp_path):
+    """A worker owed half of every batch dies for good: after the API's lease, batches form without it."""
+    api = ServerProcess(tmp_path / "api.sqlite", args=["--env-lease", "2"]).start()
+    a = b = None
+    try:
+        trainer = TrainerClient(api.url)
+        trainer.register({**ATROPOS_REGISTRATION, "batch_size": 8})
+        a = start_serve(api.url, tmp_path / "a", "--min-batch-allocation", "0.5", "--max-batches-offpolicy", "1")
+        b = start_serve(api.url, tmp_path / "b", "--worker-id", "w2", "--max-batches-offpolicy", "1")
+        seen = Pulled()
+        pull(trainer, 4, 90, seen)
+        assert len(seen) >= 4
+        os.kill(a.pid, signal.SIGKILL)
+        a.wait(timeout=30)
+        pull(trainer, len(seen) + 8, 120, seen)
+        assert len(seen) >= 12, f"training stalled behind the dead worker: {len(seen)} groups"
+        assert len({group_key(g) for g in seen}) == len(seen)
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        api.kill()
+
+
+def test_the_off_policy_bound_holds_between_polls(tmp_path):
+    """--max-batches-offpolicy 1 with batches of 8 and groups of 4: never more than 2 groups ahead.
+
+    The trainer takes nothing, so everything the worker plays stays queued; the count is
+    checked after the worker has had many chances (poll cycles and finished deals) to overshoot.
+    """
+    api = ServerProcess(tmp_path / "api.sqlite").start()
+    serve = None
+    try:
+        trainer = TrainerClient(api.url)
+        trainer.register({**ATROPOS_REGISTRATION, "batch_size": 8})
+        assert trainer.get_batch() is None
+        serve = start_serve(api.url, tmp_path / "w", "--max-batches-offpolicy", "1")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and trainer.status().queue_size < 2:
+            time.sleep(0.1)
+        assert trainer.status().queue_size == 2
+        time.sleep(3)  # several poll intervals (1 s) in which a leaky bound would queue more
+        out = _stop(serve)
+        assert serve.returncode == 0, out
+        stopped = metrics_rows(tmp_path / "w")[-1]
+        assert trainer.status().queue_size == 2 and stopped["sent"] == 2, (trainer.status(), stopped)
+    finally:
+        if serve is not None and serve.poll() is None:
+            serve.kill()
+        api.kill()

@@ -1,17 +1,23 @@
 """The environment worker: plays groups and feeds them to the trajectory API during training.
 
-It keeps `max_batches_offpolicy x batch_size` sequences queued or in flight (read from
-/status-env), so the trainer never waits and the data never gets too stale. Every
-finished group is handed to the client's `submit`, which sends it gzip-compressed with
-retries, or parks it in an on-disk outbox when the API is unreachable; the outbox
-drains in order when the API returns. SIGTERM stops new work, lets groups in flight
-finish (up to `drain_timeout`), flushes and disconnects.
+It keeps at most `max_batches_offpolicy x batch_size` sequences queued, parked or being
+played (the API's count at the last poll, plus what this worker posted since, plus what it
+plays now), so the trainer never waits and the data never gets too stale. Every finished
+group is handed to the client's `submit`, which sends it gzip-compressed with retries, or
+parks it in an on-disk outbox when the API is unreachable; the outbox drains in order when
+the API returns. SIGTERM stops new work, lets groups in flight finish (up to
+`drain_timeout`), flushes and disconnects.
+
+A worker restarted with the same `--worker-id` and `--seed` continues its stream of deals
+(OUT/serve_state.json) instead of replaying it, and takes over its registration with the
+API instead of leaving a dead one behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -70,17 +76,89 @@ def worker_seed(seed: int, worker_id: str) -> int:
     return (seed << 32) ^ zlib.crc32(worker_id.encode())
 
 
+def deal_seed(stream: int, index: int) -> int:
+    """The seed of deal number `index` of a stream: random-looking, and computable from the index."""
+    digest = hashlib.blake2b(f"{stream}:{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big")
+
+
+class DealCursor:
+    """This worker's position in its stream of deals, kept durably in OUT/serve_state.json.
+
+    A deal counts as done once every group it yielded was acknowledged by the API, parked in
+    the outbox, refused or dropped; only then is it written down. A restart continues after
+    the done deals (skipping done ones beyond the first unfinished), so nothing delivered is
+    played again; deals that were being played when the worker died are played again, which
+    repeats nothing, since they were never delivered.
+    """
+
+    def __init__(self, path: Path, stream: int, key: str) -> None:
+        self.path, self.stream, self.key = path, stream, key
+        state = self._read().get(key, {})
+        self.watermark = int(state.get("watermark", 0))  # every deal below it is done
+        self.done: set[int] = {int(i) for i in state.get("done", []) if int(i) >= self.watermark}
+        self._next = self.watermark
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(
+                f"cannot read {self.path} ({exc}); it holds this worker's place in its deals: "
+                "repair it, or delete it to start the stream again (deals would repeat)"
+            ) from None
+        return dict(data.get("streams", {})) if isinstance(data, dict) else {}
+
+    def take(self) -> tuple[int, int]:
+        """The next deal to play: (index, seed)."""
+        while self._next in self.done:
+            self._next += 1
+        index = self._next
+        self._next += 1
+        return index, deal_seed(self.stream, index)
+
+    def finish(self, index: int) -> None:
+        self.done.add(index)
+        while self.watermark in self.done:
+            self.done.discard(self.watermark)
+            self.watermark += 1
+        streams = self._read()
+        streams[self.key] = {"watermark": self.watermark, "done": sorted(self.done)}
+        _write_durably(self.path, json.dumps({"streams": streams}, indent=1))
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Replace `path` atomically and on disk: a crash leaves the old version or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 class Worker:
     def __init__(self, settings: Settings, player: Player, client: EnvClient, metrics: MetricsLog) -> None:
         self.settings, self.player, self.client, self.metrics = settings, player, client, metrics
         self.cfg = settings.serve
         self.stats = ServeStats()
         self.stopping = asyncio.Event()
-        worker_id = self.cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        import random
-
-        self._rng = random.Random(worker_seed(settings.seed, worker_id))
-        self._tasks: set[asyncio.Task[list[GroupResult]]] = set()
+        self.worker_id = self.cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        stream = worker_seed(settings.seed, self.worker_id)
+        stream_key = f"{self.cfg.env_name}/{self.worker_id}/{settings.seed}"
+        self.cursor = DealCursor(Path(settings.out) / "serve_state.json", stream, stream_key)
+        # Idempotency-Keys follow from the deal: a deal played again after a crash between
+        # the API's answer and writing the cursor is recognised by the API, not queued twice.
+        self._key_prefix = hashlib.blake2b(stream_key.encode(), digest_size=12).hexdigest()
+        self._tasks: dict[asyncio.Task[list[GroupResult]], int] = {}
+        self._sent_since_poll = 0  # groups posted (or flushed) since the API last said how many it holds
         self._limiter = asyncio.Semaphore(settings.groups.concurrency)
         self._last_eval_step: int | None = None
         self._eval_task: asyncio.Task[None] | None = None
@@ -97,6 +175,7 @@ class Worker:
                 weight=self.cfg.weight,
                 group_size=g.group_size,
                 min_batch_allocation=self.cfg.min_batch_allocation,
+                worker_id=self.worker_id,
             ),
             poll_interval_s=self.cfg.poll_interval,
             timeout_s=self.cfg.register_timeout,
@@ -122,17 +201,31 @@ class Worker:
 
     def _launch(self) -> None:
         g = self.settings.groups
-        task = asyncio.create_task(play_deal(self.player, self._rng.randrange(2**32), g, self._limiter))
-        self._tasks.add(task)
+        index, seed = self.cursor.take()
+        task = asyncio.create_task(play_deal(self.player, seed, g, self._limiter))
+        self._tasks[task] = index
 
-    def _room(self, queued_groups: int) -> int:
+    def _room(self, polled_groups: int) -> int:
+        """Deals to start now: the off-policy budget minus everything this worker has ahead.
+
+        The API's count is refreshed once per poll; what was posted since is counted here,
+        so the bound holds between polls too.
+        """
         parked = self.client.outbox.pending_groups() if self.client.outbox is not None else 0
-        room = self._groups_ahead() - queued_groups - len(self._tasks) - parked
+        ahead = polled_groups + self._sent_since_poll + len(self._tasks) + parked
+        room = self._groups_ahead() - ahead
         if self.cfg.max_groups is not None:
             room = min(room, self.cfg.max_groups - self.stats.groups_sent - self.stats.groups_parked - len(self._tasks))
         return room
 
-    async def _deliver(self, result: GroupResult) -> None:
+    async def _finish(self, task: asyncio.Task[list[GroupResult]]) -> None:
+        """Deliver a finished deal's groups, then record the deal as done."""
+        index = self._tasks.pop(task)
+        for number, result in enumerate(task.result()):
+            await self._deliver(result, key=f"{self._key_prefix}-{index}-{number}")
+        self.cursor.finish(index)
+
+    async def _deliver(self, result: GroupResult, key: str) -> None:
         s = self.stats
         s.groups_played += 1
         s.episodes += len(result.episodes)
@@ -140,7 +233,8 @@ class Worker:
         if result.group is None:
             s.groups_dropped[result.dropped or "?"] = s.groups_dropped.get(result.dropped or "?", 0) + 1
             return
-        sent = await self.client.submit([result.group])
+        sent = await self.client.submit([result.group], key=key)
+        self._sent_since_poll += sent.sent_groups
         s.groups_sent += sent.sent_groups
         s.groups_rejected += len(sent.rejected)
         s.groups_parked = sent.parked_groups
@@ -199,9 +293,11 @@ class Worker:
                 try:
                     status = await self.client.status_env()
                     queued = status.self_queue_size
+                    self._sent_since_poll = 0
                     self._maybe_evaluate(status.current_step)
                     if self.client.outbox is not None and self.client.outbox.pending_posts():
                         flushed = await self.client.flush_outbox(RetryPolicy(attempts=1, max_elapsed_s=2.0))
+                        self._sent_since_poll += flushed.sent_groups
                         self.stats.groups_sent += flushed.sent_groups
                         self.stats.groups_parked = flushed.parked_groups
                 except ApiUnavailable as exc:
@@ -213,9 +309,7 @@ class Worker:
                 continue
             done, _ = await asyncio.wait(self._tasks, timeout=self.cfg.poll_interval, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                self._tasks.discard(task)
-                for result in task.result():
-                    await self._deliver(result)
+                await self._finish(task)
         await self.shutdown()
         return self.stats
 
@@ -233,8 +327,7 @@ class Worker:
                 task.cancel()
             for task in done:
                 if not task.cancelled() and task.exception() is None:
-                    for result in task.result():
-                        await self._deliver(result)
+                    await self._finish(task)
             self._tasks.clear()
         if self._eval_task is not None and not self._eval_task.done():
             self._eval_task.cancel()

@@ -1,0 +1,121 @@
+"""Wire compatibility with Atropos' own trajectory API, the real `run-api` of atroposlib 0.4.0.
+
+`blackjack-rl serve` must feed run-api unchanged, and where both servers answer the same
+request they must agree (types included) unless docs/api.md lists the difference.
+Needs the `atropos` extra (CI installs it: `pip install --no-deps atroposlib==0.4.0`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest_api import ATROPOS_REGISTRATION, RunApiProcess, ServerProcess, atropos_register_env, make_group
+from test_serve import metrics_rows, start_serve
+
+pytest.importorskip(
+    "atroposlib.api.server",
+    reason="the `atropos` extra is not installed (pip install --no-deps atroposlib==0.4.0)",
+)
+
+
+@pytest.fixture
+def run_api(tmp_path: Path) -> Iterator[RunApiProcess]:
+    server = RunApiProcess(tmp_path / "run-api.db").start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def ours(tmp_path: Path) -> Iterator[ServerProcess]:
+    server = ServerProcess(tmp_path / "ours.sqlite").start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+def _pull(url: str, want_groups: int, timeout_s: float) -> list[dict[str, Any]]:
+    """Groups from GET /batch as an Atropos trainer takes them (run-api has no batch ids)."""
+    got: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want_groups and time.monotonic() < deadline:
+        batch = httpx.get(f"{url}/batch", timeout=10).json()["batch"]
+        if batch:
+            got.extend(batch)
+        else:
+            time.sleep(0.1)
+    return got
+
+
+def test_serve_feeds_atropos_run_api(run_api: RunApiProcess, tmp_path: Path) -> None:
+    assert httpx.post(f"{run_api.url}/register", json=ATROPOS_REGISTRATION).status_code == 200
+    assert httpx.get(f"{run_api.url}/batch").json() == {"batch": None}  # the trainer has started
+    serve = start_serve(run_api.url, tmp_path / "w", "--max-groups", "4", "--register-timeout", "60")
+    try:
+        groups = _pull(run_api.url, 4, 90)
+        out, _ = serve.communicate(timeout=90)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    assert serve.returncode == 0, out
+    # run-api drops fields it does not know (our per-episode metadata): tell groups apart by tokens
+    assert len(groups) == 4 and len({tuple(map(tuple, g["tokens"])) for g in groups}) == 4
+    assert all(type(s) is float for g in groups for s in g["scores"])
+    rows = metrics_rows(tmp_path / "w")
+    assert rows[0]["kind"] == "registered" and rows[-1]["kind"] == "stopped" and rows[-1]["sent"] == 4
+
+
+def _answer(response: httpx.Response) -> tuple[int, Any]:
+    try:
+        return response.status_code, response.json()
+    except json.JSONDecodeError:
+        return response.status_code, response.text
+
+
+def test_both_servers_answer_alike(run_api: RunApiProcess, ours: ServerProcess) -> None:
+    """Requests with a defined answer get the same status, and the same body where it is data."""
+    urls = {"run-api": run_api.url, "ours": ours.url}
+
+    def both(method: str, path: str, **kwargs: Any) -> dict[str, tuple[int, Any]]:
+        return {name: _answer(httpx.request(method, url + path, timeout=10, **kwargs)) for name, url in urls.items()}
+
+    before = both("GET", "/batch")
+    assert before["ours"] == before["run-api"]  # [] before any trainer registered
+    for body in (
+        {**ATROPOS_REGISTRATION, "wandb_group": None},
+        {**ATROPOS_REGISTRATION, "wandb_project": None},
+    ):
+        assert {status for status, _ in both("POST", "/register", json=body).values()} == {422}
+    assert {s for s, _ in both("POST", "/register", json=ATROPOS_REGISTRATION).values()} == {200}
+    assert both("GET", "/batch")["ours"][1]["batch"] is None
+    assert {s for s, _ in both("POST", "/register-env", json=atropos_register_env(4, weight=None)).values()} == {422}
+    registered = both("POST", "/register-env", json=atropos_register_env(4))
+    assert registered["ours"][1]["env_id"] == registered["run-api"][1]["env_id"] == 0
+    # env_id as a JSON body on GET, as atroposlib sends it
+    status_env = both("GET", "/status-env", json={"env_id": 0})
+    assert status_env["ours"][0] == status_env["run-api"][0] == 200
+    assert set(status_env["run-api"][1]) <= set(status_env["ours"][1])
+
+    g = make_group()
+    nulls = both("POST", "/scored_data", json={**g, "overrides": [None, {}, {}, {}]})
+    assert {s for s, _ in nulls.values()} == {422}
+
+    integers = make_group(uid="ints")
+    integers["scores"] = [1, 0, 1, 0]
+    for group in (integers, make_group(uid="floats")):
+        assert {s for s, _ in both("POST", "/scored_data", json=group).values()} == {200}
+    batches = both("GET", "/batch")
+    for name, (status, body) in batches.items():
+        assert status == 200, name
+        scores = [s for grp in body["batch"] for s in grp["scores"]]
+        assert all(type(s) is float for s in scores), (name, scores)
+    ours_scores, their_scores = (sorted(s for grp in batches[n][1]["batch"] for s in grp["scores"]) for n in urls)
+    assert ours_scores == their_scores
