@@ -45,7 +45,7 @@ class BlackjackTextEnv(gymnasium.Env):
     entry point given `s`; without a seed, the deal seed comes from the env's own RNG.
     """
 
-    metadata = {"render_modes": ["ansi"]}
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}
 
     def __init__(
         self,
