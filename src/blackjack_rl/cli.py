@@ -15,6 +15,7 @@ from pydantic_settings import SettingsError
 from rich.console import Console
 
 from .api.client import ApiRejected, ApiUnavailable
+from .cluster import ClusterError
 
 ApiError = (ApiRejected, ApiUnavailable)
 
@@ -57,6 +58,8 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "think_budget": ("episode", "think_budget"),
     "group_by": ("groups", "group_by"),
     "continue_with": ("groups", "continue_with"),
+    "token_advantages": ("groups", "token_advantages"),
+    "counterfactual": ("groups", "counterfactual"),
     "api_url": ("serve", "api_url"),
     "api_token": ("serve", "api_token"),
     "env_name": ("serve", "env_name"),
@@ -158,6 +161,12 @@ def _add_grouping(p: argparse.ArgumentParser) -> None:
                         "each answer scored by Q*(s, a); each sequence is the shared prompt plus one answer")
     p.add_argument("--continue-with", choices=["sampled", "best"],
                    help="step groups: which answer the canonical episode continues with (default sampled)")
+    p.add_argument("--token-advantages", action="store_true", default=None,
+                   help="also emit per-token `advantages`: an answer's format tokens carry its validity credit, "
+                        "its action token the decision's Q* credit")
+    p.add_argument("--counterfactual", action="store_true", default=None,
+                   help="step groups: add both valid calls, forced, to every group, scored by Q* with the policy's "
+                        "own logprobs (the exact decision gradient; embedded and hf policies)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -405,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         handlers = {"solve": _cmd_solve, "process": _cmd_process, "evaluate": _cmd_evaluate, "serve": _cmd_serve,
                     "compare": _cmd_compare, "train": _cmd_train}
         return handlers[args.command](args, console)
-    except (ValueError, OSError, ImportError, sqlite3.Error, *ApiError) as exc:  # ValidationError is a ValueError
+    except (ValueError, OSError, ImportError, sqlite3.Error, ClusterError, *ApiError) as exc:  # ValidationError is a ValueError
         # plain print: rich would wrap a long message over several lines and read [..] as markup
         print(f"error: {user_error(exc)}", file=sys.stderr)
         return 2

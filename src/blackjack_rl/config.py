@@ -122,6 +122,12 @@ class GroupConfig(_Section):
     continue_with: Literal["sampled", "best"] = Field(
         "sampled", description="step groups: the answer the canonical episode continues with"
     )
+    token_advantages: bool = Field(
+        False, description="also emit per-token `advantages`: format tokens carry validity credit, the action token "
+                           "the decision's Q* credit (see docs/api.md)")
+    counterfactual: bool = Field(
+        False, description="step groups: also add both valid calls, forced, scored by Q* with the policy's own "
+                           "logprobs (exact all-action gradient); implies token advantages")
 
 
 class EvalConfig(_Section):
@@ -184,6 +190,10 @@ class TrainConfig(_Section):
     eval_every: int = Field(10, ge=0, description="evaluate every N steps (0: only before and after)")
     eval_episodes: int = Field(200, ge=0, description="fixed evaluation deals per evaluation (0: no evaluation)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only the final model)")
+    grid_every: int = Field(1, ge=0, description="exact strategy-chart evaluation every N steps (0: only with "
+                                                 "the sampled evaluations)")
+    resume: Path | None = Field(None, description="continue from a checkpoint folder (weights, optimizer, step, "
+                                                  "deal stream)")
     max_minutes: float | None = Field(None, gt=0, description="stop training after this long (then evaluate and save)")
     api_url: str = Field("http://127.0.0.1:8000", description="api: the trajectory API")
     api_token: str | None = Field(None, description="api: bearer token (or BLACKJACK_RL_TRAIN__API_TOKEN)")

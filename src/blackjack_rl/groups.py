@@ -14,8 +14,17 @@ from typing import Any, TypedDict
 from .episode import Episode, EpisodeSettings, opening_messages, play_episode, sampling_seed
 from .game import Rules, Table
 from .policies.base import Policy, Reply, Turn
+from .credit import (
+    AnswerCredit,
+    action_char_span,
+    action_token_indices,
+    answer_token_advantages,
+    decision_advantages,
+    spread,
+    validity_advantages,
+)
 from .solver import Solution
-from .tokens import ChatFormat
+from .tokens import MASKED, ChatFormat, trained_spans
 
 
 class ScoredDataGroup(TypedDict, total=False):
@@ -110,6 +119,7 @@ async def play_group(
     *,
     drop_equal_scores: bool = False,
     limiter: asyncio.Semaphore | None = None,
+    token_advantages: bool = False,
 ) -> GroupResult:
     firsts = await player.first_replies(seed, group_size)
 
@@ -127,7 +137,36 @@ async def play_group(
     scores = [ep.score for ep in episodes]
     if drop_equal_scores and len(episodes) > 1 and len(set(scores)) == 1:
         return GroupResult(seed, episodes, None, "equal_scores")
-    return GroupResult(seed, episodes, pack_group(episodes, player.policy.generation_params()))
+    group = pack_group(episodes, player.policy.generation_params())
+    if token_advantages:
+        group["advantages"] = episode_advantages(episodes, player)
+    return GroupResult(seed, episodes, group)
+
+
+def episode_advantages(episodes: list[Episode], player: Player) -> list[list[float]]:
+    """Per-token advantages of whole episodes (credit.py): each answer's format tokens carry
+    the episode's validity credit against its group, each decision's action tokens that
+    decision's Q* against the mean of both actions."""
+    settings, solution, decode = player.settings, player.solution, player.chat.backend.decode
+    credits = [AnswerCredit(ep.status == "finished", None) for ep in episodes]
+    fmt = validity_advantages(credits, settings.invalid_score, settings.format_bonus)
+    rows = []
+    for ep, f in zip(episodes, fmt):
+        masks = ep.trajectory.masks
+        answers = [
+            [ep.trajectory.tokens[i] for i in range(a, b)] for a, b in trained_spans(masks)
+        ]
+        per_answer = []
+        for ids, d in zip(answers, ep.decisions):
+            if d.action is None:
+                per_answer.append([f] * len(ids))
+                continue
+            q = solution.q_values((d.player_sum, d.dealer_card, d.usable_ace), d.natural)
+            dec = decision_advantages([AnswerCredit(True, d.action)], q, None)[0]
+            action = action_token_indices(ids, action_char_span(d.text), decode)
+            per_answer.append(answer_token_advantages(len(ids), action, f, dec))
+        rows.append(spread(masks, MASKED, per_answer))
+    return rows
 
 
 def pack_group(episodes: list[Episode], generation_params: dict[str, Any]) -> ScoredDataGroup:
@@ -164,7 +203,11 @@ async def play_deal(player: Player, seed: int, config, limiter: asyncio.Semaphor
         from .stepgroups import play_step_groups
 
         deal = await play_step_groups(player, seed, config.group_size, continue_with=config.continue_with,
-                                      drop_equal_scores=config.drop_equal_scores, limiter=limiter)
+                                      drop_equal_scores=config.drop_equal_scores, limiter=limiter,
+                                      counterfactual=config.counterfactual,
+                                      token_advantages=config.token_advantages)
         return deal.groups
+    if config.counterfactual:
+        raise ValueError("counterfactual groups are step groups: use --group-by step with --counterfactual")
     return [await play_group(player, seed, config.group_size, drop_equal_scores=config.drop_equal_scores,
-                             limiter=limiter)]
+                             limiter=limiter, token_advantages=config.token_advantages)]

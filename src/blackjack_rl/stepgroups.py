@@ -12,6 +12,15 @@ of the answers: a sampled one (on-policy states) or the best one.
 This is what the Atropos "thinking" variant meant, without its flaws: it valued
 answers by replaying the seeded deck (seeing the future), trained on environment text
 and used non-standard roles.
+
+Two options make the decision signal exact (see credit.py):
+- `token_advantages`: each group also carries per-token `advantages`, the format of an
+  answer credited apart from its decision;
+- `counterfactual`: each group also holds both valid calls, forced, scored by Q* and
+  carrying the policy's own logprobs of them, so the decision gets the all-action policy
+  gradient whatever the sampler drew. It needs a policy that can score given answers
+  (`answer_logprobs`): the embedded llama.cpp model and the torch model can; chat servers
+  cannot (they return no logprobs of a given answer), nor can bots (no probabilities).
 """
 
 from __future__ import annotations
@@ -20,11 +29,23 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .credit import (
+    AnswerCredit,
+    action_char_span,
+    action_token_indices,
+    answer_token_advantages,
+    call_probabilities,
+    decision_advantages,
+    spread,
+    validity_advantages,
+)
 from .episode import opening_messages, sampling_seed, without_thoughts
 from .groups import GroupResult, Player, ScoredDataGroup
 from .policies.base import InferenceError, Reply, Turn
-from .protocol import ACTION_NAMES, observation_text, parse_action
-from .tokens import Trajectory
+from .protocol import ACTION_NAMES, HIT, STICK, observation_text, parse_action, tool_call_text
+from .tokens import MASKED, Trajectory
+
+FORCED = (HIT, STICK)  # the order in which a counterfactual group appends the two calls
 
 ContinueWith = Literal["sampled", "best"]
 
@@ -68,6 +89,8 @@ async def play_step_groups(
     continue_with: ContinueWith = "sampled",
     drop_equal_scores: bool = False,
     limiter: asyncio.Semaphore | None = None,
+    counterfactual: bool = False,
+    token_advantages: bool = False,
 ) -> StepDeal:
     settings, chat, solution = player.settings, player.chat, player.solution
     deal = StepDeal(seed)
@@ -94,10 +117,20 @@ async def play_step_groups(
             q = solution.q_values(obs, natural)
             best = solution.best_action(obs, natural)
             parsed = [parse_action(r.text, r.tool_calls) for r in replies]
+            p_call = None
+            if counterfactual:
+                try:
+                    forced, p_call = await _forced_replies(player, prompt)
+                except Exception as exc:  # no logprobs of the calls: the deal fails, like a failed answer
+                    deal.status, deal.error = "failed", f"{type(exc).__name__}: {exc}"
+                    return deal
+                replies = [*replies, *forced]
+                parsed = [*parsed, *(parse_action(r.text) for r in forced)]
             scores = [
                 (q[p.action] + settings.format_bonus) if p.valid else settings.invalid_score for p in parsed
             ]
             sequences = [_sequence(prompt, r, chat) for r in replies]
+            credits = [AnswerCredit(p.valid, p.action, i >= group_size) for i, p in enumerate(parsed)]
             group = ScoredDataGroup(
                 tokens=[t.tokens for t in sequences],
                 masks=[t.masks for t in sequences],
@@ -119,14 +152,20 @@ async def play_step_groups(
                         "q": {"stick": q[0], "hit": q[1]},
                         "invalid_reason": p.error.value if p.error else None,
                         "score": scores[i],
+                        "forced": credits[i].forced,
                     }
                     for i, p in enumerate(parsed)
                 ],
             )
-            dropped = drop_equal_scores and len(set(scores)) == 1 and group_size > 1
+            if counterfactual:
+                group["generation_params"]["counterfactual"] = True
+                group["episodes"][0]["p_call"] = {"hit": p_call[HIT], "stick": p_call[STICK]}
+            if token_advantages or counterfactual:
+                group["advantages"] = _advantages(sequences, replies, credits, q, p_call, settings, chat)
+            dropped = drop_equal_scores and len(set(scores)) == 1 and len(scores) > 1
             deal.groups.append(GroupResult(seed, [], None if dropped else group, "equal_scores" if dropped else None))
 
-            pick = max(range(group_size), key=lambda i: scores[i]) if continue_with == "best" else 0
+            pick = max(range(group_size), key=lambda i: scores[i]) if continue_with == "best" else 0  # never a forced call
             chosen, choice = replies[pick], parsed[pick]
             if not choice.valid:
                 deal.status = "invalid"
@@ -157,3 +196,31 @@ def _sequence(prompt: list[int], reply: Reply, chat) -> Trajectory:
     else:
         t.add_sampled(chat.answer_ids(reply.text), None)
     return t
+
+
+async def _forced_replies(player: Player, prompt: list[int]) -> tuple[list[Reply], dict[int, float]]:
+    """Both valid calls as answers, with the policy's own logprobs of every token."""
+    answer_logprobs = getattr(player.policy, "answer_logprobs", None)
+    if answer_logprobs is None:
+        raise ValueError(
+            f"counterfactual groups need the policy's logprobs of given answers; {player.policy.name} "
+            "cannot give them (use the embedded or torch policy)"
+        )
+    texts = [tool_call_text(a) for a in FORCED]
+    ids = [player.chat.answer_ids(t) for t in texts]
+    logprobs = await answer_logprobs(prompt, ids)
+    replies = [Reply(text=t, completion_ids=i, logprobs=lp) for t, i, lp in zip(texts, ids, logprobs)]
+    return replies, call_probabilities(sum(logprobs[0]), sum(logprobs[1]))
+
+
+def _advantages(sequences, replies, credits, q, p_call, settings, chat) -> list[list[float]]:
+    """Per-token advantages of a step group's sequences (shared prompt: 0; answer: credit.py)."""
+    fmt = validity_advantages(credits, settings.invalid_score, settings.format_bonus)
+    dec = decision_advantages(credits, q, p_call)
+    out = []
+    for seq, reply, credit, f, d in zip(sequences, replies, credits, fmt, dec):
+        answer = [t for t, m in zip(seq.tokens, seq.masks) if m != MASKED]
+        action = action_token_indices(answer, action_char_span(reply.text), chat.backend.decode) if credit.valid else []
+        row = spread(seq.masks, MASKED, [answer_token_advantages(len(answer), action, f, d)])
+        out.append(row)
+    return out

@@ -243,3 +243,14 @@ def trained_spans(masks: Sequence[int]) -> list[tuple[int, int]]:
     if start is not None:
         spans.append((start, len(masks)))
     return spans
+
+
+def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
+    """How many leading ids all sequences share (a group's prompt, or the system prompt)."""
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        t = first[i]
+        if any(s[i] != t for s in seqs):
+            return i
+    return n

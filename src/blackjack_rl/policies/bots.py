@@ -41,6 +41,9 @@ class OptimalBot(_Bot):
     def choose(self, turn: Turn) -> int:
         return self.solution.best_action(turn.observation, turn.natural)
 
+    def hit_probability(self, observation, natural: bool) -> float:
+        return float(self.solution.best_action(observation, natural) == HIT)
+
 
 class ThresholdBot(_Bot):
     """Hits below a fixed sum, the classic naive strategy (17 mimics the dealer)."""
@@ -54,6 +57,9 @@ class ThresholdBot(_Bot):
     def choose(self, turn: Turn) -> int:
         return HIT if turn.observation.player_sum < self.threshold else STICK
 
+    def hit_probability(self, observation, natural: bool) -> float:
+        return float(observation[0] < self.threshold)
+
 
 class RandomBot(_Bot):
     """Hits with probability `p_hit`; seeded per turn so a dataset is reproducible."""
@@ -64,3 +70,6 @@ class RandomBot(_Bot):
 
     def choose(self, turn: Turn) -> int:
         return HIT if random.Random(turn.seed).random() < self.p_hit else STICK
+
+    def hit_probability(self, observation, natural: bool) -> float:
+        return self.p_hit

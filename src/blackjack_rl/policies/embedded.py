@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..protocol import ACTION_NAMES, tool_call_text
-from ..tokens import ChatFormat, LlamaCppTokenizer, embedded_model_path
+from ..tokens import ChatFormat, LlamaCppTokenizer, common_prefix_length, embedded_model_path
 from .base import InferenceError, Reply, Turn
 
 # Constrained decoding: the only valid answers are these two texts, followed by the
@@ -58,6 +58,7 @@ class EmbeddedPolicy:
             model_path=str(self.model_path),
             n_ctx=n_ctx,
             n_threads=n_threads or max(1, (os.cpu_count() or 2)),
+            n_threads_batch=n_threads or max(1, (os.cpu_count() or 2)),
             logits_all=True,  # logprobs of sampled tokens need the logits of every position
             verbose=False,
         )
@@ -100,6 +101,60 @@ class EmbeddedPolicy:
             return self._sample(prompt_ids, seed)
         except Exception as exc:  # llama.cpp failures are inference failures, not game results
             raise InferenceError(f"llama.cpp generation failed: {exc!r}") from exc
+
+    async def answer_logprobs(
+        self, prompt_ids: list[int], answers: list[list[int]], temperature: float | None = None
+    ) -> list[list[float]]:
+        """The model's logprob of every token of each given answer to the prompt (no sampling).
+
+        `temperature` None gives the convention of this policy's sampled logprobs
+        (temperature 1), so the logprobs of forced and sampled answers are comparable.
+        """
+        return (await self.answer_logprobs_many([(prompt_ids, answers)], temperature))[0]
+
+    async def answer_logprobs_many(self, items, temperature: float | None = None) -> list[list[list[float]]]:
+        """`answer_logprobs` of many (prompt, answers) pairs, one llama.cpp call each."""
+        loop = asyncio.get_running_loop()
+
+        def run() -> list[list[list[float]]]:
+            return [self.score_answers(list(p), [list(a) for a in ans], temperature or 1.0) for p, ans in items]
+
+        return await loop.run_in_executor(self._worker, run)
+
+    def score_answers(self, prompt_ids: list[int], answers: list[list[int]], temperature: float) -> list[list[float]]:
+        """Synchronous `answer_logprobs`. The answers' shared beginning is decoded once."""
+        if not prompt_ids or any(not a for a in answers):
+            raise InferenceError("scoring needs a prompt and non-empty answers")
+        longest = max(len(a) for a in answers)
+        if len(prompt_ids) + longest > self.llama.n_ctx():
+            raise InferenceError(f"prompt of {len(prompt_ids)} tokens + an answer of {longest} exceeds the context")
+        llama = self.llama
+        try:
+            self._prime(prompt_ids)
+            llama.eval(prompt_ids[-1:])
+            base = len(prompt_ids)
+            shared = min(common_prefix_length(answers), min(len(a) for a in answers) - 1)
+            if shared:
+                llama.eval(answers[0][:shared])
+            out = []
+            for answer in answers:
+                self._truncate(base + shared)
+                if len(answer) - 1 > shared:
+                    llama.eval(answer[shared:-1])
+                logits = np.asarray(llama.scores[base - 1 : base - 1 + len(answer)], dtype=np.float64)
+                out.append(_log_softmax_at(logits / temperature, answer))
+            return out
+        except InferenceError:
+            raise
+        except Exception as exc:
+            raise InferenceError(f"llama.cpp scoring failed: {exc!r}") from exc
+
+    def _truncate(self, keep: int) -> None:
+        llama = self.llama
+        if llama.n_tokens > keep:
+            if not llama._ctx.kv_cache_seq_rm(-1, keep, -1):
+                raise InferenceError("llama.cpp could not trim its KV cache")
+            llama.n_tokens = keep
 
     def _sample(self, prompt_ids: list[int], seed: int) -> Reply:
         """Not thread-safe: call from the policy's single worker thread (or synchronously)."""

@@ -11,7 +11,7 @@ from rich.console import Console
 _TRAIN_FLAGS = (
     "source", "steps", "deals_per_step", "lr", "weight_decay", "max_grad_norm", "clip_eps", "kl_coef",
     "scale_advantages", "updates_per_batch", "lora", "lora_rank", "lora_alpha", "train_layers", "max_batch",
-    "eval_every", "eval_episodes", "save_every", "max_minutes", "api_url", "api_token", "batch_size", "batch_timeout",
+    "eval_every", "eval_episodes", "save_every", "grid_every", "resume", "max_minutes", "api_url", "api_token", "batch_size", "batch_timeout",
 )
 
 
@@ -34,6 +34,10 @@ def add_train_parser(sub: Any, add_play: Callable[[argparse.ArgumentParser], Non
                    help="step groups: which answer the canonical episode continues with (default sampled)")
     g.add_argument("--drop-equal-scores", action="store_true", default=None,
                    help="drop groups whose scores are all equal (they are never trained on anyway)")
+    g.add_argument("--token-advantages", action="store_true", default=None,
+                   help="per-token credit: format tokens carry validity, the action token the decision's Q*")
+    g.add_argument("--counterfactual", action="store_true", default=None,
+                   help="step groups: add both valid calls, forced, scored by Q* (the exact decision gradient)")
     g = p.add_argument_group("training")
 
     def a(flag: str, dest: str, **kw: Any) -> None:
@@ -62,6 +66,10 @@ def add_train_parser(sub: Any, add_play: Callable[[argparse.ArgumentParser], Non
     a("--eval-every", dest="train_eval_every", type=int, help="evaluate every N steps (default 10; 0: before/after)")
     a("--eval-episodes", dest="train_eval_episodes", type=int, help="fixed evaluation deals (default 200; 0: none)")
     a("--save-every", dest="train_save_every", type=int, help="checkpoint every N steps (default 0: final only)")
+    a("--grid-every", dest="train_grid_every", type=int,
+      help="exact strategy-chart evaluation (no sampling) every N steps (default 1; 0: with the evaluations only)")
+    a("--resume", dest="train_resume", metavar="CHECKPOINT",
+      help="continue from a checkpoint folder written by --save-every (weights, optimizer state, step, deals)")
     a("--max-minutes", dest="train_max_minutes", type=float, help="stop training after this long, then evaluate")
     a("--api-url", dest="train_api_url", help="api: the trajectory API (default http://127.0.0.1:8000)")
     a("--api-token", dest="train_api_token", help="api: bearer token (or BLACKJACK_RL_TRAIN__API_TOKEN)")

@@ -17,9 +17,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..tokens import MASKED
+from ..tokens import MASKED, common_prefix_length
 from .forward import causal_lm, forward_rows, run_prefix
-from .sampler import common_prefix_length
 
 
 @dataclass(frozen=True)
@@ -143,7 +142,7 @@ def _lookup(states: Mapping[tuple[int, ...], torch.Tensor], seq: Sequence[int], 
 
 @dataclass
 class GroupLoss:
-    loss: torch.Tensor  # sum over sequences of their mean token loss (divide by the batch's sequences)
+    loss: torch.Tensor  # sum over trained tokens (divide by the batch's sequences: a sequence's logprob gradient)
     sequences: int
     tokens: int
     clipped: float  # share of trained tokens whose ratio was clipped
@@ -154,7 +153,7 @@ class GroupLoss:
 def group_loss(
     model: Any,
     group: Mapping[str, Any],
-    advantages: Sequence[float],
+    advantages: Sequence[float] | None,
     config: LossConfig,
     reference: Callable[[Sequence[Sequence[int]], Targets], torch.Tensor] | None = None,
     *,
@@ -163,7 +162,11 @@ def group_loss(
 ) -> GroupLoss:
     """The clipped policy-gradient loss of one group (call `.backward()` on `.loss`).
 
-    `reference(tokens, targets)` gives the initial policy's logprobs for the KL term (None:
+    `advantages` are one per sequence; None uses the group's per-token `advantages`.
+    A sequence's loss is the sum over its tokens (the gradient of its logprob), so the
+    token that decides is not diluted by the length of the answer around it.
+
+    `reference(tokens, targets, first_layer=, states=)` gives the initial policy's logprobs for the KL term (None:
     no KL). `first_layer` and `states`: see `token_logprobs`.
     """
     targets = trained_targets(group)
@@ -171,22 +174,51 @@ def group_loss(
         raise ValueError("a group with no trained positions (all masks -100) cannot be trained on")
     logp = token_logprobs(model, group["tokens"], targets, config.temperature, first_layer=first_layer, states=states)
     old = targets.old_logprobs if targets.old_logprobs is not None else logp.detach()
-    adv = torch.tensor(advantages, dtype=torch.float32)[targets.rows]
+    if advantages is None:
+        adv = token_advantages(group, targets)
+    else:
+        adv = torch.tensor(advantages, dtype=torch.float32)[targets.rows]
     ratio = torch.exp(logp - old)
     clipped_ratio = ratio.clamp(1 - config.clip_eps, 1 + config.clip_eps)
     per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
     kl_value = 0.0
     if config.kl_coef > 0 and reference is not None:
         with torch.no_grad():
-            ref = reference(group["tokens"], targets)
+            ref = reference(group["tokens"], targets, first_layer=first_layer, states=states)
         delta = ref - logp
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + config.kl_coef * kl
         kl_value = float(kl.mean())
     rows = len(group["tokens"])
-    counts = torch.bincount(targets.rows, minlength=rows).clamp(min=1).float()
-    per_sequence = torch.zeros(rows).index_add(0, targets.rows, per_token) / counts
     with torch.no_grad():
         clipped = float(((ratio - clipped_ratio).abs() > 1e-6).float().mean())
         gap = float((logp - old).abs().mean())
-    return GroupLoss(per_sequence.sum(), rows, len(targets.rows), clipped, gap, kl_value)
+    return GroupLoss(per_token.sum(), rows, len(targets.rows), clipped, gap, kl_value)
+
+
+def token_advantages(group: Mapping[str, Any], targets: Targets) -> torch.Tensor:
+    """The group's own per-token `advantages` at the trained positions."""
+    table = group.get("advantages")
+    if not table:
+        raise ValueError("the group carries no per-token advantages; pass scalar advantages instead")
+    values = []
+    for r, j in zip(targets.rows.tolist(), targets.positions.tolist()):
+        row = table[r]
+        if len(row) != len(group["tokens"][r]):
+            raise ValueError(f"advantages of sequence {r} have {len(row)} entries for {len(group['tokens'][r])} tokens")
+        values.append(float(row[j]))
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def scalar_advantages(group: Mapping[str, Any], scale: bool) -> list[float] | None:
+    """One advantage per sequence (group-relative), or None when the group carries its own
+    per-token `advantages`, which then take precedence."""
+    if group.get("advantages"):
+        return None
+    return group_advantages(group["scores"], scale)
+
+
+def carries_signal(group: Mapping[str, Any], advantages: list[float] | None) -> bool:
+    if advantages is not None:
+        return any(a != 0.0 for a in advantages)
+    return any(v != 0.0 for row, m in zip(group["advantages"], group["masks"]) for v, k in zip(row, m) if k != MASKED)

@@ -25,9 +25,12 @@ import torch
 
 from ..config import Settings
 from ..evaluate import compute_metrics, run_evaluation
+from ..grid import evaluate_grid
 from ..groups import Player
+from ..probe import probe_policy
+from ..protocol import STICK, tool_call_text
 from .forward import causal_lm
-from .grpo import LossConfig, group_advantages, group_loss, token_logprobs
+from .grpo import LossConfig, carries_signal, group_loss, scalar_advantages, token_logprobs
 from .metrics import batch_metrics, eval_summary
 from .model import add_lora, export_model
 from .plot import plot_log
@@ -63,19 +66,25 @@ def make_trainable(model: Any, settings: Settings) -> Any:
 
 
 def make_reference(model: Any, settings: Settings) -> Callable | None:
-    """Logprobs of the initial policy, for the KL term: LoRA switched off, or a frozen copy."""
+    """Logprobs of the initial policy, for the KL term: LoRA switched off, or a frozen copy.
+
+    The layers below the trained ones are shared by both policies, so the reference reads
+    the same recorded states entering the first trained layer instead of running them again.
+    """
     if settings.train.kl_coef <= 0:
         return None
     temperature = settings.policy.temperature
     if hasattr(model, "disable_adapter"):
 
-        def with_adapters_off(tokens, targets):
+        def with_adapters_off(tokens, targets, first_layer=0, states=None):
             with model.disable_adapter():
-                return token_logprobs(model, tokens, targets, temperature)
+                return token_logprobs(model, tokens, targets, temperature, first_layer=first_layer, states=states)
 
         return with_adapters_off
     frozen = copy.deepcopy(model).requires_grad_(False)
-    return lambda tokens, targets: token_logprobs(frozen, tokens, targets, temperature)
+    return lambda tokens, targets, first_layer=0, states=None: token_logprobs(
+        frozen, tokens, targets, temperature, first_layer=first_layer, states=states
+    )
 
 
 def optimize(
@@ -97,14 +106,16 @@ def optimize(
     """
     work = []
     for g in groups:
-        adv = group_advantages(g["scores"], loss_config.scale_advantages)
-        if any(a != 0.0 for a in adv):
+        adv = scalar_advantages(g, loss_config.scale_advantages)
+        if carries_signal(g, adv):
             work.append((g, adv))
     stats: dict[str, Any] = {"trained_groups": len(work), "trained_sequences": sum(len(g["tokens"]) for g, _ in work)}
     if not work:
         return stats
     t0 = time.perf_counter()
-    sequences = stats["trained_sequences"]
+    # The whole batch, groups without signal included: a batch whose only signal is one
+    # invalid answer then makes a small step, not a full-size one.
+    sequences = sum(len(g["tokens"]) for g in groups)
     processed = 0
     for _ in range(settings.train.updates_per_batch):
         optimizer.zero_grad(set_to_none=True)
@@ -148,12 +159,63 @@ def evaluate_policy(player: Player, settings: Settings, step: int, out: Path) ->
     return {"kind": "eval", "step": step, "summary": eval_summary(metrics), "seconds": metrics["seconds"]}
 
 
-def checkpoint(model: Any, policy: TorchPolicy, path: Path) -> None:
+def checkpoint(model: Any, policy: TorchPolicy, path: Path, state: dict[str, Any] | None = None) -> None:
+    """The model (LoRA: the adapter only), and with `state` what resuming needs: the trained
+    parameters, the optimizer, the step, and the random states of the deal stream and torch."""
     if hasattr(model, "peft_config"):
         model.save_pretrained(str(path))  # the adapter; the base is the --model-path the run started from
         policy.tokenizer.tok.save_pretrained(str(path))
     else:
         export_model(model, policy.tokenizer, path)
+    if state is not None:
+        trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        tmp = path / "trainer_state.pt.tmp"
+        torch.save({**state, "parameters": trained}, tmp)
+        tmp.replace(path / "trainer_state.pt")
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    file = Path(path) / "trainer_state.pt"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint with trainer state (no trainer_state.pt); "
+                                "checkpoints are written by --save-every")
+    return torch.load(file, weights_only=False)
+
+
+COLLAPSE_DROP = 0.15  # a fall of the hit gap from its best that is not noise (the grid has none)
+
+
+def grid_metrics(player: Player, settings: Settings) -> dict[str, Any]:
+    """The exact strategy-chart numbers of the current weights (grid.py), as log fields."""
+    probe = asyncio.run(probe_policy(player, settings.policy.temperature, calls_probability=False))
+    g = evaluate_grid(player.solution, probe.p_hit)
+    return {
+        "grid_accuracy": g.accuracy,
+        "grid_cell_accuracy": g.cell_accuracy,
+        "grid_value": g.value,
+        "grid_regret": g.regret,
+        "grid_p_hit_hit_optimal": g.p_hit_hit_optimal,
+        "grid_p_hit_stick_optimal": g.p_hit_stick_optimal,
+        "grid_hit_gap": g.hit_gap,
+        "grid_p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None,
+        "grid_p_hit": g.p_hit,
+    }
+
+
+def _grid_line(row: dict[str, Any]) -> str:
+    return (
+        f"  grid @ step {row['step']}: accuracy {100 * row['grid_accuracy']:.1f}%  value {row['grid_value']:+.4f}  "
+        f"regret {row['grid_regret']:.4f}  P(hit) hit-optimal {row['grid_p_hit_hit_optimal']:.2f} vs "
+        f"stick-optimal {row['grid_p_hit_stick_optimal']:.2f}"
+    )
+
+
+def _warn_short_answers(player: Player, progress: Callable[[str], None]) -> None:
+    need = len(player.chat.answer_ids(tool_call_text(STICK)))
+    have = getattr(player.policy, "max_tokens", need)
+    if have < need:
+        progress(f"warning: --max-tokens {have} cannot hold a whole call with its end-of-turn token ({need} "
+                 "tokens): answers will be cut and scored invalid")
 
 
 def _line(row: dict[str, Any], steps: int) -> str:
@@ -219,6 +281,7 @@ def run_training(
     # runs only the layers above (the states are valid as long as the trunk is frozen).
     layers = causal_lm(model).config.num_hidden_layers
     first_layer = max(0, layers - t.train_layers) if t.train_layers else 0
+    policy.frozen_below = first_layer
     source: GroupSource
     if t.source == "api":
         source = ApiSource(
@@ -233,10 +296,37 @@ def run_training(
         )
     else:
         source = LocalSource(player, settings.groups, t.deals_per_step, settings.seed)
+    _warn_short_answers(player, progress)
 
-    result = TrainResult(out, 0)
+    start = 1
+    if t.resume is not None:
+        state = load_trainer_state(t.resume)
+        named = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in state["parameters"].items():
+                if name not in named:
+                    raise ValueError(f"{t.resume} does not fit this model: it has no parameter {name}; "
+                                     "resume with the same --model-path, --lora and --train-layers")
+                named[name].copy_(value)
+        optimizer.load_state_dict(state["optimizer"])
+        if state.get("deals") is not None and isinstance(source, LocalSource):
+            source.set_state(state["deals"])
+        torch.set_rng_state(state["torch_rng"])
+        start = int(state["step"]) + 1
+        progress(f"resumed from {t.resume} at step {start}")
+
+    def trainer_state(step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "deals": source.get_state() if isinstance(source, LocalSource) else None,
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    result = TrainResult(out, start - 1)
     log_path = out / "train_log.jsonl"
-    with log_path.open("w", encoding="utf-8") as log:
+    best_gap: list[float] = []
+    with log_path.open("a" if t.resume is not None else "w", encoding="utf-8") as log:
 
         def write(row: dict[str, Any]) -> None:
             log.write(json.dumps(row) + "\n")
@@ -250,10 +340,25 @@ def run_training(
             write(row)
             progress(_eval_line(row))
 
-        evaluate(0)
+        def grid(step: int) -> dict[str, Any]:
+            row = grid_metrics(player, settings)
+            gap = row["grid_hit_gap"]
+            if best_gap and best_gap[0] - gap > COLLAPSE_DROP:
+                row["collapse_alarm"] = True
+                progress(f"warning: step {step}: P(hit) on hit-optimal cells minus on stick-optimal cells fell from "
+                         f"{best_gap[0]:.2f} to {gap:.2f}: the policy is drifting toward one constant action")
+            best_gap[:] = [max(best_gap[0], gap) if best_gap else gap]
+            return row
+
+        if start == 1:
+            evaluate(0)
+            if t.grid_every:
+                row0 = {"kind": "grid", "step": 0, **grid(0)}
+                write(row0)
+                progress(_grid_line(row0))
         started = time.monotonic()
         try:
-            for step in range(1, t.steps + 1):
+            for step in range(start, t.steps + 1):
                 t0 = time.perf_counter()
                 tokens0, seconds0 = policy.sampled_tokens, policy.sampling_seconds
                 policy.record_layer = first_layer or None
@@ -269,15 +374,19 @@ def run_training(
                 row.update(optimize(model, optimizer, params, groups, loss_config, settings, reference,
                                     first_layer, policy.states))
                 policy.states.clear()
+                if t.grid_every and step % t.grid_every == 0:
+                    row.update(grid(step))
                 row["seconds"] = time.perf_counter() - t0
                 row["elapsed"] = time.monotonic() - started
                 write(row)
                 progress(_line(row, t.steps))
+                if "grid_accuracy" in row:
+                    progress(_grid_line(row))
                 result.steps = step
                 last = step == t.steps
                 out_of_time = t.max_minutes is not None and row["elapsed"] > 60 * t.max_minutes
                 if t.save_every and step % t.save_every == 0:
-                    checkpoint(model, policy, out / "checkpoints" / f"step_{step:04d}")
+                    checkpoint(model, policy, out / "checkpoints" / f"step_{step:04d}", trainer_state(step))
                 if out_of_time:
                     result.stopped = "time"
                     progress(f"stopping after {row['elapsed'] / 60:.1f} min (--max-minutes {t.max_minutes})")

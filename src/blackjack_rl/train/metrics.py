@@ -21,9 +21,14 @@ def _decisions(record: Mapping[str, Any]) -> list[tuple[str | None, str | None]]
     return []
 
 
+def _records(group: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return list(group.get("episodes") or [{} for _ in group["scores"]])
+
+
 def batch_metrics(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    scores = [float(s) for g in groups for s in g["scores"]]
-    records = [r for g in groups for r in (g.get("episodes") or [])]
+    # forced (counterfactual) answers were not sampled: they say nothing about the policy
+    scores = [float(s) for g in groups for s, r in zip(g["scores"], _records(g)) if not r.get("forced")]
+    records = [r for g in groups for r in _records(g) if not r.get("forced")]
     decisions = [d for r in records for d in _decisions(r)]
     valid = sum(a is not None for a, _ in decisions)
     correct = sum(a is not None and a == o for a, o in decisions)

@@ -26,7 +26,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(NEEDS_TORCH) from exc
 
 from ..policies.base import InferenceError, Reply, Turn
-from ..tokens import ChatFormat, HFTokenizer
+from ..tokens import ChatFormat, HFTokenizer, common_prefix_length
 from .model import load_model, stop_ids
 from .sampler import sample
 
@@ -73,6 +73,10 @@ class TorchPolicy:
         # output, which training then need not compute again.
         self.record_layer: int | None = None
         self.states: dict[tuple[int, ...], torch.Tensor] = {}
+        # Set by the trainer when only the layers from here up train: scoring then caches the
+        # frozen trunk's output per scored sequence (see `_trunk_states`).
+        self.frozen_below = 0
+        self._trunk_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-sampler")
         self._pending: list[_Request] = []
         self._drainer: asyncio.Task | None = None
@@ -99,6 +103,80 @@ class TorchPolicy:
 
     async def respond_many(self, turn: Turn, n: int) -> list[Reply]:
         return await self._submit([turn.prompt_ids] * n, [row_seed(turn.seed, i) for i in range(n)])
+
+    async def answer_logprobs(
+        self, prompt_ids: Sequence[int], answers: Sequence[Sequence[int]], temperature: float | None = None
+    ) -> list[list[float]]:
+        """The model's logprob of every token of each given answer (no sampling), at
+        `temperature` (None: the sampling temperature, the convention of sampled logprobs)."""
+        return (await self.answer_logprobs_many([(prompt_ids, answers)], temperature))[0]
+
+    async def answer_logprobs_many(self, items, temperature: float | None = None) -> list[list[list[float]]]:
+        """`answer_logprobs` of many (prompt, answers) pairs, in batched forwards."""
+        loop = asyncio.get_running_loop()
+        t = self.temperature if temperature is None else temperature
+        out = []
+        for i in range(0, len(items), 32):
+            chunk = items[i : i + 32]
+            flat = await loop.run_in_executor(self._worker, self.score_answers, chunk, t)
+            for _, answers in chunk:
+                out.append(flat[: len(answers)])
+                flat = flat[len(answers) :]
+        return out
+
+    def score_answers(self, items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+                      temperature: float) -> list[list[float]]:
+        """Synchronous scoring of many (prompt, answers) at once, in one batched forward;
+        the answers' logprobs are returned flattened, in order."""
+        from .grpo import Targets, token_logprobs
+
+        tokens, rows, positions, ids = [], [], [], []
+        for prompt, answers in items:
+            for answer in answers:
+                r = len(tokens)
+                tokens.append([*prompt, *answer])
+                for j, t in enumerate(answer):
+                    rows.append(r)
+                    positions.append(len(prompt) + j)
+                    ids.append(t)
+        targets = Targets(torch.tensor(rows), torch.tensor(positions), torch.tensor(ids), None)
+        t = temperature if temperature > 0 else 1.0
+        with torch.no_grad():
+            if self.frozen_below:
+                states = self._trunk_states(tokens)
+                logp = token_logprobs(self.model, tokens, targets, t, first_layer=self.frozen_below, states=states)
+            else:
+                logp = token_logprobs(self.model, tokens, targets, t)
+        logp = logp.tolist()
+        out, k = [], 0
+        for prompt, answers in items:
+            for answer in answers:
+                out.append(logp[k : k + len(answer)])
+                k += len(answer)
+        return out
+
+    def _trunk_states(self, tokens: list[list[int]]) -> dict[tuple[int, ...], torch.Tensor]:
+        """States entering the first trained layer for each sequence, computed once: below it
+        nothing trains, so scoring the same prompts again (the strategy chart at every step)
+        runs only the trained layers."""
+        from .forward import forward_rows, run_prefix
+
+        todo = [seq for seq in tokens if tuple(seq) not in self._trunk_cache]
+        if todo:
+            p = min(common_prefix_length(todo), min(len(x) for x in todo) - 1)
+            widths = [len(x) - 1 - p for x in todo]  # the states predicting every token but the first
+            width = max(widths)
+            ids = torch.zeros(len(todo), width, dtype=torch.long)
+            for i, x in enumerate(todo):
+                ids[i, : widths[i]] = torch.tensor(x[p : len(x) - 1])
+            valid = torch.arange(width)[None] < torch.tensor(widths)[:, None]
+            positions = p + torch.arange(width)[None].expand(len(todo), -1)
+            trunk = run_prefix(self.model, list(todo[0][:p]), layers=(0, self.frozen_below)) if p > 0 else None
+            x = forward_rows(self.model, ids, positions, valid, trunk, layers=(0, self.frozen_below)).hidden
+            head = trunk.output[0] if trunk is not None else x[0, :0]
+            for i, seq in enumerate(todo):
+                self._trunk_cache[tuple(seq)] = torch.cat([head, x[i, : widths[i]]])
+        return {tuple(seq): self._trunk_cache[tuple(seq)] for seq in tokens}
 
     async def aclose(self) -> None:
         self._worker.shutdown(wait=True)

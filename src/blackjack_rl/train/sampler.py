@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..tokens import common_prefix_length
 from .forward import RowCache, causal_lm, forward_rows, run_prefix
 
 
@@ -29,16 +30,6 @@ class Sample:
     logprobs: list[float]  # log-probability of each id under the sampling distribution
     finish_reason: str  # "stop" or "length"
     states: torch.Tensor | None = None  # [len(prompt) + len(ids) - 1, hidden] entering `record_layer`
-
-
-def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
-    first = seqs[0]
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        t = first[i]
-        if any(s[i] != t for s in seqs):
-            return i
-    return n
 
 
 @torch.no_grad()

@@ -52,6 +52,13 @@ class LocalSource:
             "episodes_failed": failed,
         }
 
+    def get_state(self) -> Any:
+        """Where the deal stream stands, so a resumed run plays the deals it would have played."""
+        return self._rng.getstate()
+
+    def set_state(self, state: Any) -> None:
+        self._rng.setstate(state)
+
     def close(self) -> None:
         pass
 

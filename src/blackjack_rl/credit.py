@@ -1,0 +1,142 @@
+"""Per-token credit: the format of an answer and its decision are rewarded separately.
+
+One scalar per answer puts the same advantage on every token of it, so "write a valid
+call" and "say stick" are rewarded together: early on nearly every valid call says stick,
+and a model trained that way collapses to always sticking (docs/training/ shows the run).
+Here each answer gets an advantage per token (Atropos' optional `advantages` field, the
+shape of `tokens`):
+
+- the *format* tokens of an answer (everything but the action word) carry its validity
+  credit: its validity score minus the mean validity score of the sampled answers of its
+  group (valid: the format bonus, invalid: the invalid score);
+- the *action* tokens (the word `hit` or `stick` inside a valid call) carry its decision
+  credit: Q*(s, a) minus the mean of Q* over both actions, an expectation over unseen
+  cards with a baseline that does not depend on what the sampler happened to draw;
+- every token of an invalid answer carries its validity credit: it made no decision.
+
+In counterfactual groups the two valid calls are added, forced, to every group, and their
+action tokens carry the exact all-action policy gradient, p(a) * (Q*(s, a) - V_p), where
+p is the policy's own probability of each call among the two and V_p = sum_a p(a) Q*(s, a).
+The sampled answers' action tokens then carry nothing (the decision is already credited
+exactly), and the forced answers' format tokens carry nothing (they were not sampled).
+
+Advantages are in score units, not divided by a group's spread: a decision worth 0.05 must
+not weigh as much as one worth 0.5.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .grid import hit_share
+
+# The action value inside a call, e.g. `"action": "hit"`; the last match is the call's.
+_ACTION_VALUE = re.compile(r"""["']action["']\s*:\s*["']\s*(hit|stick)\s*["']""", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerCredit:
+    """What credit one answer of a group earned, before it is spread over its tokens."""
+
+    valid: bool
+    action: int | None  # the decision of a valid answer
+    forced: bool = False  # a counterfactual call the policy did not sample
+
+
+def action_char_span(text: str) -> tuple[int, int] | None:
+    """Where the action word of a call stands in the answer text (last call wins)."""
+    found = None
+    for m in _ACTION_VALUE.finditer(text[:20_000]):
+        found = m.span(1)
+    return found
+
+
+def action_token_indices(ids: Sequence[int], text_span: tuple[int, int] | None,
+                         decode: Callable[[Sequence[int]], str]) -> list[int]:
+    """Indices (into `ids`) of the tokens that spell the action word.
+
+    Tokens are found by decoding growing prefixes, so any tokenizer works and a word split
+    over several tokens ("st" + "ick") is credited on all of them.
+    """
+    if text_span is None:
+        return []
+    start, end = text_span
+    out, previous = [], 0
+    for i in range(len(ids)):
+        length = len(decode(ids[: i + 1]))
+        if length > start and previous < end:
+            out.append(i)
+        if length >= end:
+            break
+        previous = length
+    return out
+
+
+def validity_advantages(answers: Sequence[AnswerCredit], invalid_score: float, format_bonus: float) -> list[float]:
+    """Each sampled answer's validity score minus the sampled answers' mean; forced: 0."""
+    scores = [format_bonus if a.valid else invalid_score for a in answers]
+    sampled = [s for s, a in zip(scores, answers) if not a.forced]
+    mean = sum(sampled) / len(sampled) if sampled else 0.0
+    return [0.0 if a.forced else s - mean for s, a in zip(scores, answers)]
+
+
+def call_probabilities(logprob_hit: float, logprob_stick: float) -> dict[int, float]:
+    """The policy's probability of each valid call, renormalized over the two."""
+    p_hit = hit_share(logprob_hit, logprob_stick)
+    return {1: p_hit, 0: 1.0 - p_hit}
+
+
+def decision_advantages(answers: Sequence[AnswerCredit], q: Sequence[float],
+                        p_call: dict[int, float] | None) -> list[float]:
+    """The decision credit of each answer's action tokens (see the module docstring).
+
+    `q` is (Q*(s, stick), Q*(s, hit)); `p_call` the policy's probabilities of the two forced
+    calls, given when the group holds them.
+    """
+    counterfactual = any(a.forced for a in answers)
+    if counterfactual and p_call is None:
+        raise ValueError("a counterfactual group needs the policy's probabilities of the two calls")
+    baseline = (q[0] + q[1]) / 2
+    v_p = sum(p_call[a] * q[a] for a in (0, 1)) if p_call else baseline
+    out = []
+    for a in answers:
+        if not a.valid or a.action is None:
+            out.append(0.0)
+        elif a.forced:
+            out.append(p_call[a.action] * (q[a.action] - v_p))
+        else:
+            out.append(0.0 if counterfactual else q[a.action] - baseline)
+    return out
+
+
+def answer_token_advantages(n_tokens: int, action_tokens: Sequence[int], format_adv: float,
+                            decision_adv: float) -> list[float]:
+    """One answer's per-token advantages: format credit everywhere but its action tokens."""
+    out = [format_adv] * n_tokens
+    for i in action_tokens:
+        if 0 <= i < n_tokens:
+            out[i] = decision_adv
+    return out
+
+
+def spread(masks: Sequence[int], masked: int, per_answer: Sequence[Sequence[float]]) -> list[float]:
+    """A sequence's advantages: each trained span (one per answer, in order) gets its
+    answer's values; context positions get 0."""
+    out = [0.0] * len(masks)
+    k, i = 0, 0
+    while i < len(masks):
+        if masks[i] == masked:
+            i += 1
+            continue
+        j = i
+        while j < len(masks) and masks[j] != masked:
+            j += 1
+        values = per_answer[k] if k < len(per_answer) else []
+        for t in range(i, j):
+            out[t] = values[t - i] if t - i < len(values) else (values[-1] if values else 0.0)
+        k += 1
+        i = j
+    return out
+

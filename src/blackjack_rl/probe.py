@@ -1,0 +1,67 @@
+"""Read a policy's first-decision strategy off its probabilities, without sampling.
+
+For every chart state the opening prompt is built exactly as an episode builds it, and the
+policy scores the two valid calls (`answer_logprobs_many`). Bots give their exact hit
+probability. The result feeds grid.py, which turns it into exact values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .episode import opening_messages
+from .game import Observation
+from .grid import GRID_STATES, GridKey, hit_share
+from .groups import Player
+from .protocol import HIT, STICK, tool_call_text
+from .tokens import common_prefix_length
+
+
+@dataclass(frozen=True)
+class Probe:
+    p_hit: dict[GridKey, float]  # P(hit | one of the two valid calls)
+    p_calls: dict[GridKey, float] | None  # P(the answer is exactly one of the two canonical calls)
+    temperature: float | None  # the distribution the probabilities are of (None: a bot's exact policy)
+
+
+def can_probe(policy: Any) -> bool:
+    return hasattr(policy, "hit_probability") or hasattr(policy, "answer_logprobs_many")
+
+
+async def probe_policy(player: Player, temperature: float | None = None, calls_probability: bool = True) -> Probe:
+    """`temperature` None: the policy's sampling temperature (a model), or its exact policy (a bot).
+    `calls_probability` False skips P(a canonical call), which costs a third of the work."""
+    policy = player.policy
+    exact = getattr(policy, "hit_probability", None)
+    if exact is not None:
+        return Probe({k: float(exact(Observation(*k), False)) for k in GRID_STATES}, None, None)
+    many = getattr(policy, "answer_logprobs_many", None)
+    if many is None:
+        raise ValueError(
+            f"{policy.name} cannot score given answers, so its strategy cannot be read without sampling "
+            "(the grid needs the embedded, hf or a scripted policy)"
+        )
+    t = temperature if temperature is not None else float(getattr(policy, "temperature", 1.0) or 1.0)
+    chat = player.chat
+    calls = [chat.answer_ids(tool_call_text(HIT)), chat.answer_ids(tool_call_text(STICK))]
+    # The calls' shared beginning is the same factor in both probabilities: it cancels in
+    # P(hit | valid) and is scored once (as context) for P(a canonical call).
+    shared = common_prefix_length(calls)
+    items = []
+    for k in GRID_STATES:
+        prompt = chat.prompt_ids(opening_messages(Observation(*k), player.settings.thinking))
+        if calls_probability:
+            items.append((prompt, [calls[0][:shared]]))
+        items.append(([*prompt, *calls[0][:shared]], [c[shared:] for c in calls]))
+    scored = await many(items, t)
+    p_hit, p_calls = {}, {}
+    step = 2 if calls_probability else 1
+    for i, k in enumerate(GRID_STATES):
+        lp_hit, lp_stick = scored[step * i + step - 1]
+        p_hit[k] = hit_share(sum(lp_hit), sum(lp_stick))
+        if calls_probability:
+            (lp_shared,) = scored[step * i]
+            p_calls[k] = math.exp(sum(lp_shared)) * (math.exp(sum(lp_hit)) + math.exp(sum(lp_stick)))
+    return Probe(p_hit, p_calls or None, t)
