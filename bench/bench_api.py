@@ -3,6 +3,7 @@
     PYTHONPATH=src python bench/bench_api.py                      # quick: 2,000 posts, 10,000 queued
     PYTHONPATH=src python bench/bench_api.py --queued 100000      # the full memory measurement
     PYTHONPATH=src python bench/bench_api.py --atropos-path DIR   # same run against Atropos' server
+    PYTHONPATH=src python bench/bench_api.py --stall --posts 200 --skip-memory   # stalls from one post
 
 Each post is one group of 16 sequences x 300 tokens (tokens, masks, scores, and by default
 inference_logprobs and per-episode metadata, as `serve` sends them), gzip-compressed as
@@ -287,6 +288,39 @@ def memory(kind: str, workdir: Path, bodies: list[bytes], queued: int, args: arg
         server.stop()
 
 
+def stall(kind: str, workdir: Path, body: bytes, headers: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    """How long other requests wait while the server handles one hostile or huge post.
+
+    One thread posts `body`; meanwhile GET /status is asked every 20 ms, and the longest of
+    those waits is what every other client of the server would have suffered.
+    """
+    server = start_server(kind, workdir, args)
+    try:
+        setup_run(server, args.seqs, args.groups_per_batch)
+        answer: dict[str, Any] = {}
+
+        def post() -> None:
+            started = time.perf_counter()
+            with httpx.Client(timeout=600) as http:
+                r = http.post(f"{server.url}/scored_data_list", content=body, headers=headers)
+            answer.update(status=r.status_code, post_s=time.perf_counter() - started)
+
+        worker = threading.Thread(target=post)
+        longest = 0.0
+        with httpx.Client(base_url=server.url, timeout=600) as http:
+            http.get("/status")
+            worker.start()
+            while worker.is_alive():
+                started = time.perf_counter()
+                http.get("/status")
+                longest = max(longest, time.perf_counter() - started)
+                time.sleep(0.02)
+        worker.join()
+        return {**answer, "longest_status_ms": longest * 1000}
+    finally:
+        server.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--posts", type=int, default=2000, help="timed posts (one group each)")
@@ -300,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync", choices=["NORMAL", "FULL"], default="FULL")
     parser.add_argument("--ingest-workers", type=int, default=0, help="server's --ingest-workers")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--stall", action="store_true",
+                        help="also measure how long other requests wait during one hostile or huge post")
     parser.add_argument("--atropos-path", type=Path, help="directory holding an unpacked atroposlib (baseline)")
     parser.add_argument("--atropos-queued", type=int, default=2000,
                         help="groups queued in Atropos' memory measurement (it holds them all in RAM)")
@@ -325,6 +361,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {r['posts_per_s']:8.0f} posts/s  ({r['posts_per_s'] * args.seqs:,.0f} sequences/s)   "
                   f"p50 {r['p50_ms']:6.1f} ms   p99 {r['p99_ms']:6.1f} ms   "
                   f"trainer drained {r['drained_groups_per_s']:6.0f} groups/s   server RSS {r['rss_mb']:.0f} MB")
+        if args.stall:
+            members = gzip.compress(b"") * 100_000
+            big = json.dumps([groups[0]] * max(1, (15 * 1024 * 1024) // raw)).encode()
+            cases = [("100,000 empty gzip members (2 MB)", members, {"Content-Encoding": "gzip"}),
+                     (f"{len(big) / 2**20:.0f} MB plain JSON list of groups", big, {})]
+            for kind in kinds:
+                for label, body, extra in cases:
+                    r = stall(kind, workdir, body, {"Content-Type": "application/json", **extra}, args)
+                    print(f"\n[{kind}] one post of {label}: answered {r['status']} after {r['post_s']:.2f} s; "
+                          f"longest wait of another request meanwhile {r['longest_status_ms']:.0f} ms")
         if not args.skip_memory:
             for kind in kinds:
                 queued = args.queued if kind == "ours" else min(args.queued, args.atropos_queued)
