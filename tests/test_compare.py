@@ -26,19 +26,21 @@ def test_paired_difference_is_the_mean_of_per_pair_differences():
     assert (p.b_better, p.a_better, p.ties) == (2, 1, 1)
     # sd of the differences [1, 0, 1, -1] is sqrt(11/12); se = sd / 2
     assert p.stderr == pytest.approx((11 / 12) ** 0.5 / 2)
-    assert p.ci95_low < 0 < p.ci95_high and not p.significant
+    assert p.ci95_low is None and p.ci95_high is None and not p.significant  # 4 pairs: too few for an interval
+    wide = paired_difference([0.0, 1.0, -1.0, 1.0] * 10, [1.0, 1.0, 0.0, 0.0] * 10)
+    assert wide.ci95_low < 0 < wide.ci95_high and not wide.significant
     assert paired_difference([0.0] * 50, [1.0] * 50).significant
     with pytest.raises(ValueError, match="equal length"):
         paired_difference([1.0], [])
 
 
 def test_pairing_uses_shared_seeds_and_drops_failed_episodes():
-    a = [{"seed": s, "status": "finished", "score": 1.0} for s in (1, 2, 3, 4)]
-    b = [{"seed": s, "status": "failed" if s == 3 else "finished", "score": 0.0} for s in (2, 3, 4, 5, 6)]
+    a = [{"seed": s, "status": "finished", "reward": 1.0} for s in (1, 2, 3, 4)]
+    b = [{"seed": s, "status": "failed" if s == 3 else "finished", "reward": 0.0} for s in (2, 3, 4, 5, 6)]
     pairing = pair_by_seed(a, b)
     assert pairing.seeds == [2, 4] and (pairing.only_a, pairing.only_b, pairing.failed) == (1, 2, 1)
     c = compare_pair(Run("a", {}, a), Run("b", {}, b))
-    assert c.differences["score"].mean == -1.0 and c.pairs == 2
+    assert c.differences["outcome"].mean == -1.0 and c.pairs == 2
 
 
 def test_pairing_removes_the_luck_both_runs_share():
@@ -49,11 +51,11 @@ def test_pairing_removes_the_luck_both_runs_share():
 
     rng = random.Random(0)
     luck = [rng.choice([-1.0, 0.0, 1.0]) for _ in range(2000)]
-    a = [{"seed": i, "status": "finished", "score": x} for i, x in enumerate(luck)]
-    b = [{"seed": i, "status": "finished", "score": x + (1.0 if i % 20 == 0 else 0.0)} for i, x in enumerate(luck)]
-    p = compare_pair(Run("a", {}, a), Run("b", {}, b)).differences["score"]
-    assert p.mean == pytest.approx(0.05) and p.significant
-    se_a, se_b = mean_ci([r["score"] for r in a])["stderr"], mean_ci([r["score"] for r in b])["stderr"]
+    a = [{"seed": i, "status": "finished", "reward": x} for i, x in enumerate(luck)]
+    b = [{"seed": i, "status": "finished", "reward": x + (1.0 if i % 20 == 0 and x < 1 else 0.0)} for i, x in enumerate(luck)]
+    p = compare_pair(Run("a", {}, a), Run("b", {}, b)).differences["outcome"]
+    assert p.mean == pytest.approx(sum(r["reward"] for r in b) / 2000 - sum(luck) / 2000) and p.significant
+    se_a, se_b = mean_ci([r["reward"] for r in a])["stderr"], mean_ci([r["reward"] for r in b])["stderr"]
     assert p.stderr < (se_a**2 + se_b**2) ** 0.5 / 5
 
 
@@ -85,7 +87,7 @@ def test_compare_finds_the_known_gap_between_two_bots(bot_runs):
     data = json.loads((out / "compare.json").read_text())
     assert data["baseline"] == "optimal"
     diff = data["comparisons"][0]["differences"]
-    score, expected = diff["score"], diff["expected"]
+    score, expected = diff["outcome"], diff["expected"]
     # the game outcomes, paired by deal: the sign is right and the interval holds the exact gap
     assert score["n"] == 3000 and score["significant"] and score["ci95_high"] < 0
     assert score["ci95_low"] <= exact <= score["ci95_high"]
@@ -112,3 +114,96 @@ def test_compare_explains_what_is_missing(bot_runs, tmp_path):
 def test_compare_has_help():
     out = run("compare", "--help").stdout
     assert "usage:" in out and "baseline" in out
+
+
+# -- what is compared: play alone, never the training score's bonus or mode ----------------------
+
+def test_compare_leaves_out_the_format_bonus_and_the_scoring_mode(bot_runs):
+    """Threshold-17 scored by outcome against optimal scored `expected` with a format bonus of 0.5:
+    the game-reward gap is the exact +0.0327 of play, not +0.53 with the bonus mixed in."""
+    rules = Rules()
+    exact = solve(rules).value - policy_outcome(rules, lambda s, d, u, n: float(s < 17)).value  # about +0.0327
+    bonus = bot_runs / "optimal-bonus"
+    run("evaluate", "--policy", "optimal", "--episodes", "3000", "--scoring", "expected", "--format-bonus", "0.5",
+        "--out", str(bonus), "--quiet")
+    metrics = json.loads((bonus / "metrics.json").read_text())
+    assert (metrics["scoring"], metrics["format_bonus"]) == ("expected", 0.5)  # recorded with the run
+    out = bot_runs / "cmp-bonus"
+    proc = run("compare", str(bot_runs / "threshold17"), str(bonus), "--out", str(out))
+    data = json.loads((out / "compare.json").read_text())["comparisons"][0]
+    reward, expected = data["differences"]["outcome"], data["differences"]["expected"]
+    for d in (reward, expected):
+        assert d["ci95_low"] <= exact <= d["ci95_high"] < 0.2
+    assert abs(reward["mean_b"] - metrics["mean_reward"]["mean"]) < 1e-9  # the run's own game reward, no bonus
+    assert "score" not in data["differences"]
+    said = " ".join(proc.stdout.split())
+    assert "no format bonus" in said and "optimal-bonus scored expected with format bonus 0.5" in said
+    assert any("format bonus 0.5" in note for note in data["notes"])
+
+
+# -- intervals stay inside what is possible, or say "too few" ---------------------------------
+
+def test_a_paired_interval_stays_within_the_possible_difference():
+    """29 of 30 deals won by B only: a normal interval would reach past +100 points."""
+    a = [{"seed": i, "status": "finished", "outcome": "loss", "reward": -1.0} for i in range(30)]
+    b = [{"seed": i, "status": "finished", "outcome": "win" if i else "loss", "reward": 1.0 if i else -1.0}
+         for i in range(30)]
+    c = compare_pair(Run("a", {"invalid_score": -1.0}, a), Run("b", {"invalid_score": -1.0}, b))
+    win, reward = c.differences["win"], c.differences["outcome"]
+    assert win.mean + 1.96 * win.stderr > 1 and win.ci95_high <= 1.0  # cut at the bound
+    assert reward.mean + 1.96 * reward.stderr > 2 and reward.ci95_high <= 2.0
+
+
+def test_too_few_pairs_give_no_interval_and_say_so():
+    from blackjack_rl.compare import QUANTITIES, verdict
+
+    a = [{"seed": i, "status": "finished", "outcome": "loss", "reward": -1.0} for i in range(5)]
+    b = [{"seed": i, "status": "finished", "outcome": "win", "reward": 1.0} for i in range(5)]
+    c = compare_pair(Run("a", {}, a), Run("b", {}, b))
+    p = c.differences["outcome"]
+    assert p.ci95_low is None and not p.significant
+    assert "too few to tell" in verdict(p, next(q for q in QUANTITIES if q.key == "outcome"), "a", "b")
+    assert any("too few" in note for note in c.notes)
+
+
+def test_evaluation_intervals_respect_the_bounds_or_say_too_few(vocab_chat, solution):
+    """Mostly invalid answers put the normal interval of the mean reward below -1; two
+    decisions are too few for an interval of the regret."""
+    import asyncio
+
+    from blackjack_rl.evaluate import compute_metrics, run_evaluation
+    from blackjack_rl.groups import Player
+    from blackjack_rl.policies.base import Reply
+    from blackjack_rl.policies.bots import OptimalBot
+
+    class RarelyValid(OptimalBot):
+        """Plays (optimally) only its first two hands of 20 or more; answers nonsense otherwise."""
+
+        valid = 0
+
+        async def respond(self, turn):
+            if turn.observation[0] >= 20 and self.valid < 2:
+                self.valid += 1
+                return await super().respond(turn)
+            return Reply(text="no idea")
+
+    def metrics(policy, n):
+        player = Player(policy, vocab_chat, solution)
+        return compute_metrics(asyncio.run(run_evaluation(player, n, 1)), player)  # one at a time: in seed order
+
+    m = metrics(RarelyValid(solution), 60)
+    mr = m["mean_reward"]
+    assert mr["mean"] - 1.96 * mr["stderr"] < -1 <= mr["ci95_low"] < mr["ci95_high"] <= 1
+    assert -1 <= m["mean_expected_score"]["ci95_low"]
+    assert m["mean_regret"]["too_few"] and m["mean_regret"]["ci95_low"] is None  # two valid decisions
+    few = metrics(OptimalBot(solution), 2)
+    assert few["mean_regret"]["n"] < 30 and few["mean_regret"]["too_few"] and few["mean_regret"]["ci95_low"] is None
+    assert few["mean_reward"]["too_few"] and few["mean_reward"]["ci95_high"] is None
+
+
+def test_a_regret_interval_never_goes_below_zero():
+    from blackjack_rl.evaluate import mean_ci
+
+    regrets = [0.0] * 39 + [0.5]  # one costly mistake in 40 decisions
+    r = mean_ci(regrets, (0.0, 2.5))
+    assert r["mean"] - 1.96 * r["stderr"] < 0 and r["ci95_low"] == 0.0 < r["ci95_high"]

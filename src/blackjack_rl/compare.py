@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-Z95 = 1.959963984540054
+from .evaluate import MIN_N_FOR_INTERVAL, interval, max_payout
+from .game import Rules
 
 Row = dict[str, Any]
 
@@ -55,8 +56,9 @@ class Paired:
         }
 
 
-def paired_difference(a: Sequence[float], b: Sequence[float]) -> Paired:
-    """Mean of b - a with a normal 95% interval (n is in the hundreds or more here)."""
+def paired_difference(a: Sequence[float], b: Sequence[float], bounds: tuple[float, float] | None = None) -> Paired:
+    """Mean of b - a with a normal 95% interval cut to `bounds` (the range the true difference can
+    take); no interval below MIN_N_FOR_INTERVAL pairs."""
     if len(a) != len(b):
         raise ValueError(f"paired samples must have equal length, got {len(a)} and {len(b)}")
     n = len(a)
@@ -66,44 +68,44 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> Paired:
     mean = math.fsum(diffs) / n
     var = math.fsum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
     se = math.sqrt(var / n)
+    low, high = interval(mean, se, n, bounds)
     return Paired(
-        mean, mean - Z95 * se, mean + Z95 * se, se, n,
+        mean, low, high, se, n,
         b_better=sum(d > 0 for d in diffs), a_better=sum(d < 0 for d in diffs), ties=sum(d == 0 for d in diffs),
         mean_a=math.fsum(a) / n, mean_b=math.fsum(b) / n,
     )
 
 
 # --- per-episode quantities -------------------------------------------------------------
+# Each takes a row and the invalid score both runs are compared at. Training scores (`score`,
+# `scores`) are not compared: they include each run's format bonus and depend on its
+# scoring mode, so two runs trained differently would differ by construction.
 
-def _score(row: Row) -> float | None:
-    return row.get("score")
+def _game_reward(row: Row, invalid_score: float) -> float | None:
+    """The hand's reward; an answer that ended the game early counts the invalid score."""
+    if row.get("status") != "finished":
+        return invalid_score
+    return row.get("reward")
 
 
-def _outcome_reward(row: Row) -> float | None:
-    scores = row.get("scores") or {}
-    if "outcome" in scores:
-        return scores["outcome"]
-    return row.get("score")
-
-
-def _expected(row: Row) -> float | None:
+def _expected(row: Row, invalid_score: float) -> float | None:
     """V*(s0) minus the regret of the decisions taken: the worth of the play without the luck
     of the later cards (an unbiased estimate of the policy's value from this deal)."""
-    scores = row.get("scores") or {}
-    if "expected" in scores:
-        return scores["expected"]
-    return None
+    if row.get("status") != "finished":
+        return invalid_score
+    start, regret = row.get("start_value"), row.get("regret")
+    return None if start is None or regret is None else start - regret
 
 
-def _win(row: Row) -> float | None:
+def _win(row: Row, invalid_score: float) -> float | None:
     return float(row.get("outcome") == "win")
 
 
-def _loss(row: Row) -> float | None:
+def _loss(row: Row, invalid_score: float) -> float | None:
     return float(row.get("outcome") == "loss")
 
 
-def _invalid(row: Row) -> float | None:
+def _invalid(row: Row, invalid_score: float) -> float | None:
     return float(row.get("status") in ("invalid", "truncated"))
 
 
@@ -112,13 +114,13 @@ def _first_decision(row: Row) -> dict[str, Any] | None:
     return decisions[0] if decisions else None
 
 
-def _first_correct(row: Row) -> float | None:
+def _first_correct(row: Row, invalid_score: float) -> float | None:
     """The first decision of a deal is taken in the same state by every run, so it pairs exactly."""
     d = _first_decision(row)
     return None if d is None else float(d.get("action") == d.get("optimal"))
 
 
-def _first_regret(row: Row) -> float | None:
+def _first_regret(row: Row, invalid_score: float) -> float | None:
     d = _first_decision(row)
     if d is None:
         return None
@@ -129,17 +131,23 @@ def _first_regret(row: Row) -> float | None:
 class Quantity:
     key: str
     label: str
-    of: Callable[[Row], float | None]
+    of: Callable[[Row, float], float | None]
     higher_is_better: bool = True
     percent: bool = False
     short: str = ""
+    in_rewards: bool = False  # ranges over rewards (else over [0, 1], or over regrets)
+
+    def difference_bounds(self, low: float, high: float) -> tuple[float, float]:
+        """Where the true mean difference lies, given the range [low, high] of a reward."""
+        width = high - low if self.in_rewards else 1.0 if self.percent else high + 1.0
+        return -width, width
 
 
 QUANTITIES: tuple[Quantity, ...] = (
-    Quantity("score", "mean score (an invalid answer scores its penalty)", _score, short="score"),
-    Quantity("expected", "expected return of the decisions (luck of the cards removed)", _expected,
-             short="expected (no luck)"),
-    Quantity("outcome", "game reward", _outcome_reward, short="game reward"),
+    Quantity("outcome", "game reward (an invalid answer counts the invalid score; no format bonus)", _game_reward,
+             short="game reward", in_rewards=True),
+    Quantity("expected", "expected return of the decisions (luck of the cards removed; no format bonus)", _expected,
+             short="expected (no luck)", in_rewards=True),
     Quantity("win", "win rate", _win, percent=True, short="win rate"),
     Quantity("loss", "loss rate", _loss, higher_is_better=False, percent=True, short="loss rate"),
     Quantity("invalid", "invalid answers", _invalid, higher_is_better=False, percent=True, short="invalid"),
@@ -189,6 +197,7 @@ class Comparison:
     failed: int
     differences: dict[str, Paired] = field(default_factory=dict)
     state_differences: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what was compared, in words
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -196,6 +205,7 @@ class Comparison:
             "failed": self.failed,
             "differences": {k: v.to_dict() for k, v in self.differences.items()},
             "state_differences": self.state_differences,
+            "notes": self.notes,
         }
 
 
@@ -220,17 +230,43 @@ def check_comparable(runs: Sequence[Run]) -> None:
 def compare_pair(a: Run, b: Run) -> Comparison:
     pairing = pair_by_seed(a.rows, b.rows)
     result = Comparison(a.name, b.name, len(pairing.seeds), pairing.only_a, pairing.only_b, pairing.failed)
+    invalid_score = float(a.metrics.get("invalid_score", -1.0))
+    best = max_payout(Rules(**(a.metrics.get("rules") or {})))
+    low, high = min(-1.0, invalid_score), max(best, invalid_score)
     for q in QUANTITIES:
         xs, ys = [], []
         for ra, rb in zip(pairing.a, pairing.b):
-            x, y = q.of(ra), q.of(rb)
+            x, y = q.of(ra, invalid_score), q.of(rb, invalid_score)
             if x is not None and y is not None:
                 xs.append(float(x))
                 ys.append(float(y))
         if xs:
-            result.differences[q.key] = paired_difference(xs, ys)
+            result.differences[q.key] = paired_difference(xs, ys, q.difference_bounds(low, high))
     result.state_differences = strategy_differences(a.rows, b.rows)
+    result.notes = comparison_notes(a, b, invalid_score)
+    if any(p.ci95_low is None for p in result.differences.values()):
+        result.notes.append(f"Fewer than {MIN_N_FOR_INTERVAL} pairs give no 95% interval: too few to tell.")
     return result
+
+
+def comparison_notes(a: Run, b: Run, invalid_score: float) -> list[str]:
+    """What the game reward and expected score are, and what was left out to make them comparable."""
+    notes = [f"Game reward and expected score count an invalid answer at {invalid_score:+g} in both runs and "
+             "include no format bonus, whatever each run's scoring mode, so they compare play alone."]
+    trained = []
+    for run in (a, b):
+        m = run.metrics
+        scoring, bonus = m.get("scoring"), m.get("format_bonus")
+        trained.append((run.name, scoring, bonus))
+    if any(bonus for _, _, bonus in trained) or len({(s, bn) for _, s, bn in trained}) > 1:
+        notes.append("Training scores left out of the comparison: " + "; ".join(
+            f"{name} scored {scoring or 'unrecorded'} with format bonus {bonus if bonus is not None else 'unrecorded'}"
+            for name, scoring, bonus in trained) + ".")
+    other = b.metrics.get("invalid_score")
+    if other is not None and float(other) != invalid_score:
+        notes.append(f"{b.name} was evaluated with invalid score {other:+g}; its invalid answers are counted at "
+                     f"{a.name}'s {invalid_score:+g} here.")
+    return notes
 
 
 def compare_runs(runs: Sequence[Run]) -> list[Comparison]:
@@ -275,6 +311,9 @@ def verdict(p: Paired, q: Quantity, a: str, b: str) -> str:
     if p.mean is None:
         return "no paired episodes"
     fmt = (lambda v: f"{v * 100:+.2f} points") if q.percent else (lambda v: f"{v:+.4f}")
+    if p.ci95_low is None:
+        return (f"{q.short or q.label}, {b} − {a}: {fmt(p.mean)} over {p.n} pairs: too few to tell "
+                f"(a 95% interval needs at least {MIN_N_FOR_INTERVAL})")
     span = f"{q.short or q.label}, {b} − {a}: {fmt(p.mean)} (95% CI {fmt(p.ci95_low)} to {fmt(p.ci95_high)}, {p.n} pairs)"
     if p.ties == p.n:
         return f"{span}: identical on every deal"

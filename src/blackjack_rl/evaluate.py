@@ -49,14 +49,42 @@ async def run_evaluation(
     return list(await asyncio.gather(*(one(s) for s in eval_seeds(episodes, first))))
 
 
-def mean_ci(values: list[float]) -> dict[str, float | None]:
+# Below this many values the normal interval of a mean is not to be trusted (the mean of a
+# few -1/+1 rewards is far from normal): no interval is given, and the pages say "too few".
+MIN_N_FOR_INTERVAL = 30
+
+
+def interval(mean: float, se: float, n: int, bounds: tuple[float, float] | None) -> tuple[float | None, float | None]:
+    """The normal 95% interval, cut to the range the true value can take; (None, None) for too few values."""
+    if n < MIN_N_FOR_INTERVAL:
+        return None, None
+    low, high = mean - Z95 * se, mean + Z95 * se
+    if bounds is not None:
+        low, high = max(bounds[0], low), min(bounds[1], high)
+    return low, high
+
+
+def mean_ci(values: list[float], bounds: tuple[float, float] | None = None) -> dict[str, Any]:
+    """Mean, standard error and a 95% interval within `bounds` (the range of the true mean);
+    `too_few` (and no interval) below MIN_N_FOR_INTERVAL values."""
     n = len(values)
     if n == 0:
-        return {"mean": None, "ci95_low": None, "ci95_high": None, "stderr": None, "n": 0}
+        return {"mean": None, "ci95_low": None, "ci95_high": None, "stderr": None, "n": 0, "too_few": True}
     mean = math.fsum(values) / n
     var = math.fsum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
     se = math.sqrt(var / n)
-    return {"mean": mean, "ci95_low": mean - Z95 * se, "ci95_high": mean + Z95 * se, "stderr": se, "n": n}
+    low, high = interval(mean, se, n, bounds)
+    return {"mean": mean, "ci95_low": low, "ci95_high": high, "stderr": se, "n": n, "too_few": low is None}
+
+
+def max_payout(rules: Any) -> float:
+    """The most one hand can win: 1.5 for a natural where it pays 3:2 (not under Sutton & Barto rules)."""
+    return 1.5 if rules.natural and not rules.sab else 1.0
+
+
+def reward_bounds(rules: Any, invalid_score: float) -> tuple[float, float]:
+    """Where a mean reward (or expected score) can lie: a lost hand, a won natural, the invalid score."""
+    return min(-1.0, invalid_score), max(max_payout(rules), invalid_score)
 
 
 def rate_ci(k: int, n: int) -> dict[str, float | None]:
@@ -90,6 +118,9 @@ def compute_metrics(episodes: Iterable[Episode], player: Player) -> dict[str, An
     valid = [d for d in decisions if d.action is not None]
     rules = player.solution.rules
     refs = baselines(rules)
+    settings = player.settings
+    bounds = reward_bounds(rules, settings.invalid_score)
+    regret_bound = (0.0, max((abs(qh - qs) for qs, qh in player.solution.q.values()), default=0.0))
     return {
         "policy": player.policy.generation_params(),
         "rules": rules.model_dump(),
@@ -104,19 +135,24 @@ def compute_metrics(episodes: Iterable[Episode], player: Player) -> dict[str, An
         "invalid": rate_ci(sum(invalid.values()), n),
         "invalid_by_reason": {reason: {"count": k, "rate": k / n} for reason, k in sorted(invalid.items())},
         # The game reward (invalid answers at the invalid score), whatever the training scoring mode.
-        "mean_reward": mean_ci([ep.reward if ep.status == "finished" else player.settings.invalid_score
-                                for ep in played]),
+        "mean_reward": mean_ci([ep.reward if ep.status == "finished" else settings.invalid_score
+                                for ep in played], bounds),
         # The same quantity estimated from Q*: unbiased, with far less noise from the cards.
-        "mean_expected_score": mean_ci([_expected_game_score(ep, player.settings.invalid_score) for ep in played]),
-        "mean_game_reward": mean_ci([ep.reward for ep in played if ep.status == "finished"]),
+        "mean_expected_score": mean_ci([_expected_game_score(ep, settings.invalid_score) for ep in played], bounds),
+        "mean_game_reward": mean_ci([ep.reward for ep in played if ep.status == "finished"],
+                                    (-1.0, max_payout(rules))),
         "decisions": len(decisions),
         "valid_decisions": len(valid),
         "decision_accuracy": rate_ci(sum(d.action == d.optimal for d in decisions), len(decisions)),
         "decision_accuracy_valid": rate_ci(sum(d.action == d.optimal for d in valid), len(valid)),
-        "mean_regret": mean_ci([d.regret for d in valid]),
+        "mean_regret": mean_ci([d.regret for d in valid], regret_bound),
         "reference": {
             name: {"value": o.value, "win": o.win, "draw": o.draw, "loss": o.loss} for name, o in refs.items()
         },
         "optimal_value": refs["optimal"].value,
-        "invalid_score": player.settings.invalid_score,
+        "invalid_score": settings.invalid_score,
+        # What training scores were (each episode's `score`); the game reward and expected score
+        # above never include the format bonus, whatever the scoring mode.
+        "scoring": settings.scoring,
+        "format_bonus": settings.format_bonus,
     }

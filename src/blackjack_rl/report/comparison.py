@@ -12,7 +12,7 @@ from ..compare import QUANTITIES, Comparison, Run, verdict
 from . import plots
 from .modes import decoding_mode
 
-HEADLINE = ("score", "expected")  # the quantities the verdicts and the plot are about
+HEADLINE = ("outcome", "expected")  # the quantities the verdicts and the plot are about
 
 
 def comparison_json(runs: Sequence[Run], comparisons: Sequence[Comparison]) -> dict[str, Any]:
@@ -30,10 +30,10 @@ def _forest_items(comparisons: Sequence[Comparison]) -> list[dict[str, Any]]:
     for c in comparisons:
         for key in HEADLINE:
             p = c.differences.get(key)
-            if p is None or p.mean is None:
+            if p is None or p.mean is None or p.ci95_low is None:
                 continue
             q = quantities[key]
-            items.append({"label": f"{c.b} − {c.a}: {'score' if key == 'score' else 'expected (no luck)'}",
+            items.append({"label": f"{c.b} − {c.a}: {q.short}",
                           "mean": p.mean, "low": p.ci95_low, "high": p.ci95_high, "significant": p.significant,
                           "good": p.significant and (p.mean > 0) == q.higher_is_better})
     return items

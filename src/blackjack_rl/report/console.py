@@ -60,6 +60,15 @@ def _pct(r: dict[str, Any]) -> str:
     return f"{r['rate']:.1%}  [{r['ci95_low']:.1%}, {r['ci95_high']:.1%}]"
 
 
+def _mean(r: dict[str, Any], fmt: str = "+.4f") -> str:
+    """A mean with its interval, or with "too few" where there are too few values for one."""
+    if r.get("mean") is None:
+        return "-"
+    if r.get("ci95_low") is None:
+        return f"{r['mean']:{fmt}}  (too few for a CI: {r['n']})"
+    return f"{r['mean']:{fmt}}  [{r['ci95_low']:{fmt}}, {r['ci95_high']:{fmt}}]"
+
+
 def print_metrics(m: dict[str, Any], console: Console) -> None:
     policy = m["policy"]
     name = policy.get("model") or policy.get("policy")
@@ -73,11 +82,10 @@ def print_metrics(m: dict[str, Any], console: Console) -> None:
     mr = m["mean_reward"]
     t.add_row("episodes played / failed", f"{m['episodes_played']} / {m['episodes_failed']}")
     if mr["mean"] is not None:
-        t.add_row("mean reward (invalid = %+.1f)" % m["invalid_score"],
-                  f"{mr['mean']:+.4f}  [{mr['ci95_low']:+.4f}, {mr['ci95_high']:+.4f}]")
+        t.add_row("mean reward (invalid = %+.1f)" % m["invalid_score"], _mean(mr))
     me = m.get("mean_expected_score") or {}
     if me.get("mean") is not None:
-        t.add_row("expected score (V* - regret)", f"{me['mean']:+.4f}  [{me['ci95_low']:+.4f}, {me['ci95_high']:+.4f}]")
+        t.add_row("expected score (V* - regret)", _mean(me))
     t.add_row("win", _pct(m["win"]))
     t.add_row("draw", _pct(m["draw"]))
     t.add_row("loss", _pct(m["loss"]))
@@ -87,7 +95,7 @@ def print_metrics(m: dict[str, Any], console: Console) -> None:
     t.add_row("decisions (valid)", f"{m['decisions']} ({m['valid_decisions']})")
     t.add_row("decision accuracy vs optimal", _pct(m["decision_accuracy"]))
     if m["mean_regret"]["mean"] is not None:
-        t.add_row("mean regret per valid decision", f"{m['mean_regret']['mean']:.4f}")
+        t.add_row("mean regret per valid decision", _mean(m["mean_regret"], ".4f"))
     console.print(t)
     ref = m["reference"]
     console.print(
@@ -101,7 +109,10 @@ def print_metrics(m: dict[str, Any], console: Console) -> None:
 
 def print_comparison(runs: list[Any], comparisons: list[Any], console: Console) -> None:
     """Runs side by side, then every run against the first, paired by seed."""
+    from rich.markup import escape
+
     from ..compare import QUANTITIES, verdict
+    from .comparison import HEADLINE
     from .modes import short_mode
 
     t = RichTable(title="Evaluation runs")
@@ -109,9 +120,7 @@ def print_comparison(runs: list[Any], comparisons: list[Any], console: Console) 
         t.add_column(col, justify="left" if col in ("run", "decoding") else "right")
     for r in runs:
         m = r.metrics
-        mr = m["mean_reward"]
-        reward = "-" if mr["mean"] is None else f"{mr['mean']:+.4f}  [{mr['ci95_low']:+.4f}, {mr['ci95_high']:+.4f}]"
-        t.add_row(r.name, short_mode(m.get("policy") or {}), str(m["episodes"]), reward,
+        t.add_row(r.name, short_mode(m.get("policy") or {}), str(m["episodes"]), _mean(m["mean_reward"]),
                   _pct(m["win"]).split()[0], _pct(m["invalid"]).split()[0], _pct(m["decision_accuracy"]).split()[0])
     console.print(t)
     quantities = {q.key: q for q in QUANTITIES}
@@ -121,18 +130,22 @@ def print_comparison(runs: list[Any], comparisons: list[Any], console: Console) 
             t.add_column(col, justify="left" if col in ("quantity", "") else "right")
         for key, p in c.differences.items():
             q = quantities[key]
-            if q.percent:
+            if p.ci95_low is None:
+                diff, ci = f"{p.mean * 100:+.2f} pts" if q.percent else f"{p.mean:+.4f}", "too few pairs"
+            elif q.percent:
                 diff, ci = f"{p.mean * 100:+.2f} pts", f"[{p.ci95_low * 100:+.2f}, {p.ci95_high * 100:+.2f}]"
             else:
                 diff, ci = f"{p.mean:+.4f}", f"[{p.ci95_low:+.4f}, {p.ci95_high:+.4f}]"
             good = p.significant and (p.mean > 0) == q.higher_is_better
             mark = ("[green]B better[/green]" if good else "[red]B worse[/red]" if p.significant
-                    else "same" if p.ties == p.n else "luck")
+                    else "same" if p.ties == p.n else "too few" if p.ci95_low is None else "luck")
             t.add_row(q.short or q.label, diff, ci, f"{p.b_better} / {p.a_better} / {p.ties}", mark)
         console.print(t)
-        for key in ("score", "expected"):
+        for key in HEADLINE:
             if key in c.differences:
                 console.print(verdict(c.differences[key], quantities[key], c.a, c.b))
+        for note in c.notes:
+            console.print(f"[dim]{escape(note)}[/dim]")
         if c.only_a or c.only_b or c.failed:
             console.print(f"[yellow]left out: {c.only_a} deals only in {c.a}, {c.only_b} only in {c.b}, "
                           f"{c.failed} with a failed episode[/yellow]")

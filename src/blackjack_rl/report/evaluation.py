@@ -34,6 +34,9 @@ def reading(metrics: dict[str, Any]) -> str:
     if mr.get("mean") is None:
         return "No episode finished, so there is no mean reward to compare."
     low, high = mr["ci95_low"], mr["ci95_high"]
+    if low is None:
+        return (f"Mean reward {mr['mean']:+.4f} over {metrics['episodes_played']} deals: too few deals for a 95% "
+                "interval, so no comparison with the baselines; evaluate more episodes.")
     ref = metrics["reference"]
     parts = []
     for name, label in (("optimal", "optimal play"), ("always_stick", "always sticking"), ("random", "uniform random play")):

@@ -69,7 +69,12 @@ def reward_vs_baselines(mean: float | None, low: float | None, high: float | Non
         y = 14 + 24 * (i % 2)
         body.append(f'<line x1="{x:.1f}" y1="{y + 4}" x2="{x:.1f}" y2="112" stroke="#999" stroke-dasharray="4 3"/>')
         body.append(_text(x, y, f"{name.replace('_', ' ')} {v:+.4f}", "middle", "#555", 10))
-    if mean is not None:
+    if mean is not None and low is None:  # too few deals for an interval: the point alone
+        m, c = px(mean), COLOURS["model"]
+        body.append(f'<circle cx="{m:.1f}" cy="78" r="5.5" fill="{c}"/>')
+        anchor = "start" if m < x0 + 120 else "end" if m > x1 - 120 else "middle"
+        body.append(_text(m, 102, f"{label}: {mean:+.4f} (too few deals for a CI)", anchor, c, 11, "600"))
+    elif mean is not None:
         a, b, m = px(low), px(high), px(mean)
         c = COLOURS["model"]
         body.append(f'<line x1="{a:.1f}" y1="78" x2="{b:.1f}" y2="78" stroke="{c}" stroke-width="2.5"/>')
