@@ -102,14 +102,44 @@ def test_step_groups_score_each_answer_by_q_star(vocab_chat, solution):
     assert checked > 100
 
 
-def test_step_groups_continue_with_the_best_answer(vocab_chat, solution):
-    player = Player(RandomBot(), vocab_chat, solution)
-    for seed in range(20):
-        deal = run(play_step_groups(player, seed, 8, continue_with="best"))
-        # with 8 random answers both actions almost surely appear, so the best one is played:
-        # every later decision then starts from an optimally continued state
-        assert deal.status in ("finished", "truncated")
-        assert all(len({tuple(t) for t in r.group["tokens"]}) >= 1 for r in deal.groups)
+def _mixed_answer(turn):
+    """Seeded per answer: an invalid answer, a hit or a stick, so group members differ in score."""
+    import random
+
+    u = random.Random(turn.seed).random()
+    return "no idea" if u < 0.3 else tool_call_text(HIT if u < 0.65 else STICK)
+
+
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_step_groups_continue_with_the_best_answer(vocab_chat, solution, group_size):
+    """The rule: at every decision the canonical episode goes on with an answer of the highest
+    score in its group. Which answer was played is read off the next group's shared prompt."""
+    player = Player(Scripted(_mixed_answer), vocab_chat, solution)
+    best_was_not_first = invalid_ends = 0
+    for seed in range(60):
+        deal = run(play_step_groups(player, seed, group_size, continue_with="best"))
+        groups = [r.group for r in deal.groups]
+        assert groups and all(g is not None for g in groups)
+        for k, group in enumerate(groups):
+            scores = group["scores"]
+            best = max(scores)
+            meta = group["episodes"]
+            if k + 1 < len(groups):
+                following = groups[k + 1]["tokens"][0]
+                played = [j for j, tokens in enumerate(group["tokens"]) if following[:len(tokens)] == tokens]
+                assert played and all(scores[j] == best for j in played), (seed, k, scores, played)
+                # the state the next group was sampled in follows from the best action
+                q = meta[0]["q"]
+                assert meta[played[0]]["action"] is not None and q[meta[played[0]]["action"]] == best
+                best_was_not_first += scores[0] < best
+            elif deal.status == "invalid":  # the episode ends on an invalid answer only if all were invalid
+                assert all(m["action"] is None for m in meta)
+                invalid_ends += 1
+            else:
+                assert deal.status == "finished" and any(m["action"] is not None for m in meta)
+    if group_size > 1:
+        assert best_was_not_first > 5  # the rule is tested where it differs from playing the first answer
+    assert invalid_ends > 0  # and where no answer was valid
 
 
 def test_thinking_mode_cuts_old_thoughts_to_fit_the_budget(vocab_chat, solution):
