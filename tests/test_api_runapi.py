@@ -24,22 +24,22 @@ pytest.importorskip(
 )
 
 
-@pytest.fixture
-def run_api(tmp_path: Path) -> Iterator[RunApiProcess]:
-    server = RunApiProcess(tmp_path / "run-api.db").start()
+def _serving(server: ServerProcess) -> Iterator[ServerProcess]:
+    server.start()
     try:
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture
+def run_api(tmp_path: Path) -> Iterator[ServerProcess]:
+    yield from _serving(RunApiProcess(tmp_path / "run-api.db"))
 
 
 @pytest.fixture
 def ours(tmp_path: Path) -> Iterator[ServerProcess]:
-    server = ServerProcess(tmp_path / "ours.sqlite").start()
-    try:
-        yield server
-    finally:
-        server.kill()
+    yield from _serving(ServerProcess(tmp_path / "ours.sqlite"))
 
 
 def _pull(url: str, want_groups: int, timeout_s: float) -> list[dict[str, Any]]:
@@ -55,7 +55,7 @@ def _pull(url: str, want_groups: int, timeout_s: float) -> list[dict[str, Any]]:
     return got
 
 
-def test_serve_feeds_atropos_run_api(run_api: RunApiProcess, tmp_path: Path) -> None:
+def test_serve_feeds_atropos_run_api(run_api: ServerProcess, tmp_path: Path) -> None:
     assert httpx.post(f"{run_api.url}/register", json=ATROPOS_REGISTRATION).status_code == 200
     assert httpx.get(f"{run_api.url}/batch").json() == {"batch": None}  # the trainer has started
     serve = start_serve(run_api.url, tmp_path / "w", "--max-groups", "4", "--register-timeout", "60")
@@ -80,7 +80,7 @@ def _answer(response: httpx.Response) -> tuple[int, Any]:
         return response.status_code, response.text
 
 
-def test_both_servers_answer_alike(run_api: RunApiProcess, ours: ServerProcess) -> None:
+def test_both_servers_answer_alike(run_api: ServerProcess, ours: ServerProcess) -> None:
     """Requests with a defined answer get the same status, and the same body where it is data."""
     urls = {"run-api": run_api.url, "ours": ours.url}
 
