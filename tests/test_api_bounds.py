@@ -325,9 +325,28 @@ def test_a_second_store_through_another_name_is_refused(tmp_path: Path) -> None:
         os.link(tmp_path / "db.sqlite", tmp_path / "hard.sqlite")
         (tmp_path / "soft.sqlite").symlink_to(tmp_path / "db.sqlite")
         for name in ("db.sqlite", "hard.sqlite", "soft.sqlite"):
-            with pytest.raises(RuntimeError, match="another trajectory API process"):
+            with pytest.raises(OSError, match="another trajectory API process"):
                 Store(tmp_path / name)
         store.register_trainer(Registration(batch_size=8, max_token_len=512))
     finally:
         store.close()
     Store(tmp_path / "hard.sqlite").close()  # free again once the first is closed
+
+
+def test_an_outbox_is_held_by_one_process_under_any_name(tmp_path: Path) -> None:
+    from blackjack_rl.api.outbox import Outbox
+
+    box = Outbox(tmp_path / "outbox.sqlite")
+    try:
+        os.link(tmp_path / "outbox.sqlite", tmp_path / "hard.sqlite")
+        for name in ("outbox.sqlite", "hard.sqlite"):
+            with pytest.raises(OSError, match="another environment worker process"):
+                Outbox(tmp_path / name)
+        box.put("k", b"body", 1)
+    finally:
+        box.close()
+    reopened = Outbox(tmp_path / "hard.sqlite")
+    try:
+        assert reopened.pending_groups() == 1
+    finally:
+        reopened.close()

@@ -39,6 +39,14 @@ def test_invalid_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "max_queued_sequences" in capsys.readouterr().err
 
 
+def run_api_cli(db: Path) -> subprocess.CompletedProcess[str]:
+    """`python -m blackjack_rl.api --db DB` on a free port; it is expected to refuse and exit."""
+    return subprocess.run([sys.executable, "-m", "blackjack_rl.api", "--db", str(db), "--port", "0"],
+                          capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("BLACKJACK_RL_API_")}
+                          | {"PYTHONPATH": str(SRC)})
+
+
 @pytest.mark.parametrize("name", ["same path", "hard link", "symlink"])
 def test_a_database_in_use_is_refused_with_one_line(tmp_path: Path, name: str) -> None:
     """The lock follows the file, not its name: another name of the same file is refused too."""
@@ -55,10 +63,7 @@ def test_a_database_in_use_is_refused_with_one_line(tmp_path: Path, name: str) -
     else:
         other = db
     try:
-        run = subprocess.run([sys.executable, "-m", "blackjack_rl.api", "--db", str(other), "--port", "0"],
-                             capture_output=True, text=True, timeout=60,
-                             env={k: v for k, v in os.environ.items() if not k.startswith("BLACKJACK_RL_API_")}
-                             | {"PYTHONPATH": str(SRC)})
+        run = run_api_cli(other)
     finally:
         held.release()
     assert run.returncode == 1
@@ -66,8 +71,14 @@ def test_a_database_in_use_is_refused_with_one_line(tmp_path: Path, name: str) -
 
 
 def test_a_database_that_is_a_directory_is_one_line(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "blackjack_rl.api", "--db", str(tmp_path), "--port", "0"],
-                         capture_output=True, text=True, timeout=60,
-                         env={k: v for k, v in os.environ.items() if not k.startswith("BLACKJACK_RL_API_")}
-                         | {"PYTHONPATH": str(SRC)})
+    run = run_api_cli(tmp_path)
     assert run.returncode == 1 and "is not a file" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("content", [b"this is not an SQLite database" * 100, b"SQLite format 3\x00" + b"\xff" * 5000])
+def test_a_damaged_database_is_one_line(tmp_path: Path, content: bytes) -> None:
+    db = tmp_path / "damaged.sqlite"
+    db.write_bytes(content)
+    run = run_api_cli(db)
+    assert run.returncode == 1 and "error:" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1

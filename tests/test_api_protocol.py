@@ -284,7 +284,7 @@ def test_cors_is_off_by_default_and_opt_in(tmp_path: Path) -> None:
 def test_a_second_server_on_the_same_database_is_refused(tmp_path: Path) -> None:
     cfg = ApiConfig(db_path=tmp_path / "a.sqlite")
     with TestClient(create_app(cfg)):
-        with pytest.raises(RuntimeError, match="another trajectory API process"):
+        with pytest.raises(OSError, match="another trajectory API process"):
             with TestClient(create_app(cfg)):
                 pass
 

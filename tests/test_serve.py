@@ -239,3 +239,24 @@ def test_the_off_policy_bound_holds_between_polls(tmp_path):
         if serve is not None and serve.poll() is None:
             serve.kill()
         api.kill()
+
+
+def test_two_workers_on_one_out_folder_are_refused(tmp_path):
+    """Their outbox and place in the deal stream belong to one process: the second exits with one line."""
+    api = ServerProcess(tmp_path / "api.sqlite").start()  # no trainer: the first worker waits to register
+    first = second = None
+    try:
+        first = start_serve(api.url, tmp_path / "w")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (tmp_path / "w" / "outbox.sqlite-wal").exists():
+            assert first.poll() is None, first.communicate()[0]
+            time.sleep(0.1)
+        second = start_serve(api.url, tmp_path / "w")
+        out, _ = second.communicate(timeout=60)
+        assert second.returncode == 2 and "another environment worker process is using" in out, out
+        assert "Traceback" not in out and first.poll() is None
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        api.kill()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sqlite3
 import sys
 from typing import Any
 
@@ -93,7 +94,7 @@ def serve(config: ApiConfig) -> int:
     import uvicorn
 
     from .server import create_app
-    from .store import take_lock
+    from .store import Store
 
     if config.host not in ("127.0.0.1", "localhost", "::1") and config.token is None:
         print(
@@ -101,10 +102,11 @@ def serve(config: ApiConfig) -> int:
             "read and inject training data (set BLACKJACK_RL_API_TOKEN)",
             file=sys.stderr,
         )
-    try:
-        take_lock(config.db_path).release()  # fail with one clear line, not a startup traceback
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    try:  # open the store once first: a bad --db fails with one clear line, not a startup traceback
+        Store(config.db_path).close()
+    except (OSError, RuntimeError, sqlite3.Error) as exc:  # in use, a directory, another schema, damaged
+        detail = f"{exc} (is it a trajectory API database, and not damaged?)" if isinstance(exc, sqlite3.Error) else exc
+        print(f"error: {detail}", file=sys.stderr)
         return 1
     uvicorn.run(
         create_app(config),

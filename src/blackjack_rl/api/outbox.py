@@ -7,7 +7,8 @@ makes the server answer it without queueing it twice. A post the API refuses out
 (4xx) moves to a `rejected` table with the server's message, so it neither blocks the
 posts behind it nor disappears.
 
-One outbox file belongs to one worker process at a time.
+One outbox file belongs to one worker process at a time; a second process that opens it
+(under any name) is refused.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .dblock import take_lock
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS pending(
@@ -59,7 +62,7 @@ class Rejected:
 class Outbox:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = take_lock(self.path, "environment worker", "stop it, or give this worker its own --out")
         self.db = sqlite3.connect(self.path, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
@@ -101,3 +104,4 @@ class Outbox:
 
     def close(self) -> None:
         self.db.close()
+        self._lock.release()

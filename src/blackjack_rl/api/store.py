@@ -30,15 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .dblock import DatabaseLock, take_lock
 from .batching import Candidate, divisors_text, form_batch, minimum_sequences, window_for
 from .errors import ApiError
 from .ingest import IngestContext, PreparedGroup, known_envs_text
 from .models import Registration, RegisterEnv
-
-try:  # POSIX advisory lock: one API process per database file.
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
 
 SCHEMA_VERSION = "1"
 MIN_ENV_WEIGHT = 0.01  # as Atropos: no environment's weight drops to zero
@@ -152,65 +148,6 @@ class Mirror:
         return sum(size * n for (_, size), n in self.counts.items())
 
 
-#: (st_dev, st_ino) of the database files this process holds. Asking the kernel again from
-#: the same process would mean opening and closing a second descriptor of a file SQLite has
-#: open, and closing any descriptor drops the POSIX locks SQLite holds on it.
-_HELD: set[tuple[int, int]] = set()
-
-
-class DatabaseLock:
-    """An exclusive flock on the database file itself, so the lock follows the file's identity.
-
-    A lock named after the path would let a second API in through a hard link or a symlink
-    (another name for the same file), and two writers with separate WAL files lose data.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.exists() and not path.is_file():
-                raise RuntimeError(f"--db {path} is not a file; give the path of an SQLite file (it is created)")
-            identity = _identity(path) if path.exists() else None
-            if identity is not None and identity in _HELD:
-                raise _in_use(path)
-            self._handle = open(path, "ab")  # noqa: SIM115 - held for the store's life; creates the file
-        except OSError as exc:
-            raise RuntimeError(f"cannot open the database {path}: {exc.strerror or exc}") from None
-        self.identity = _identity(path)
-        if fcntl is not None:
-            try:
-                fcntl.flock(self._handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self._handle.close()
-                raise _in_use(path) from None
-        _HELD.add(self.identity)
-
-    def release(self) -> None:
-        """Call after closing the SQLite connection (see _HELD)."""
-        if self._handle is not None:
-            _HELD.discard(self.identity)
-            self._handle.close()
-            self._handle = None
-
-
-def _identity(path: Path) -> tuple[int, int]:
-    st = path.stat()
-    return (st.st_dev, st.st_ino)
-
-
-def _in_use(path: Path) -> RuntimeError:
-    return RuntimeError(
-        f"another trajectory API process is using {path} (or another name of the same file); "
-        "stop it, or give this one its own --db"
-    )
-
-
-def take_lock(path: Path) -> DatabaseLock:
-    """Hold the database exclusively: two API processes on one database would disagree on its state."""
-    return DatabaseLock(Path(path))
-
-
 class Store:
     """SQLite-backed state. Not thread-safe: use it from one thread (see StoreRunner)."""
 
@@ -231,10 +168,17 @@ class Store:
         self.max_queued_sequences = max_queued_sequences
         self.retry_after_s = retry_after_s
         self.idempotency_ttl_s = idempotency_ttl_s
-        self._lock_file = self._take_lock()
-        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
+        self._lock_file: DatabaseLock | None = self._take_lock()
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            self._open(synchronous)
+        except BaseException:
+            self.close()  # a damaged or foreign file: let go of it
+            raise
+
+    def _open(self, synchronous: str) -> None:
         self.db.execute("PRAGMA page_size=16384")  # only takes effect on a new file
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={synchronous}")
