@@ -350,3 +350,13 @@ def test_an_outbox_is_held_by_one_process_under_any_name(tmp_path: Path) -> None
         assert reopened.pending_groups() == 1
     finally:
         reopened.close()
+
+
+def test_groups_per_post_are_bounded(api: TestClient) -> None:
+    from blackjack_rl.api.ingest import MAX_GROUPS_PER_POST
+
+    tiny = {"tokens": [[1]], "masks": [[1]], "scores": [0.0]}
+    r = api.post("/scored_data_list", json=[tiny] * (MAX_GROUPS_PER_POST + 1))
+    assert r.status_code == 413 and f"at most {MAX_GROUPS_PER_POST}" in r.json()["detail"]
+    assert api.get("/status").json()["queue_size"] == 0
+    assert api.post("/scored_data_list", json=[tiny] * 8).status_code == 200

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from blackjack_rl.api.client import TrainerClient
 from conftest_api import ATROPOS_REGISTRATION, RunApiProcess, ServerProcess, atropos_register_env, make_group
 from test_serve import metrics_rows, start_serve
 
@@ -42,25 +43,29 @@ def ours(tmp_path: Path) -> Iterator[ServerProcess]:
     yield from _serving(ServerProcess(tmp_path / "ours.sqlite"))
 
 
-def _pull(url: str, want_groups: int, timeout_s: float) -> list[dict[str, Any]]:
-    """Groups from GET /batch as an Atropos trainer takes them (run-api has no batch ids)."""
+def _pull(trainer: TrainerClient, want_groups: int, timeout_s: float) -> list[dict[str, Any]]:
+    """Groups from GET /batch, with our TrainerClient (run-api numbers no batches: nothing to ack)."""
     got: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout_s
     while len(got) < want_groups and time.monotonic() < deadline:
-        batch = httpx.get(f"{url}/batch", timeout=10).json()["batch"]
-        if batch:
-            got.extend(batch)
+        batch = trainer.get_batch()
+        if batch is not None:
+            assert batch.batch_id is None and batch.step == -1
+            got.extend(batch.groups)
         else:
             time.sleep(0.1)
     return got
 
 
 def test_serve_feeds_atropos_run_api(run_api: ServerProcess, tmp_path: Path) -> None:
-    assert httpx.post(f"{run_api.url}/register", json=ATROPOS_REGISTRATION).status_code == 200
-    assert httpx.get(f"{run_api.url}/batch").json() == {"batch": None}  # the trainer has started
+    """Our worker and our trainer client, with Atropos' server between them."""
+    trainer = TrainerClient(run_api.url)
+    assert trainer.get_batch() is None  # before registering: run-api answers "batch": []
+    trainer.register(ATROPOS_REGISTRATION)
+    assert trainer.get_batch() is None  # the trainer has started
     serve = start_serve(run_api.url, tmp_path / "w", "--max-groups", "4", "--register-timeout", "60")
     try:
-        groups = _pull(run_api.url, 4, 90)
+        groups = _pull(trainer, 4, 90)
         out, _ = serve.communicate(timeout=90)
     finally:
         if serve.poll() is None:
@@ -89,14 +94,15 @@ def test_both_servers_answer_alike(run_api: ServerProcess, ours: ServerProcess) 
 
     before = both("GET", "/batch")
     assert before["ours"] == before["run-api"]  # [] before any trainer registered
-    for body in (
-        {**ATROPOS_REGISTRATION, "wandb_group": None},
-        {**ATROPOS_REGISTRATION, "wandb_project": None},
-    ):
-        assert {status for status, _ in both("POST", "/register", json=body).values()} == {422}
+    for field in ATROPOS_REGISTRATION:
+        body = {**ATROPOS_REGISTRATION, field: None}
+        assert {status for status, _ in both("POST", "/register", json=body).values()} == {422}, field
     assert {s for s, _ in both("POST", "/register", json=ATROPOS_REGISTRATION).values()} == {200}
     assert both("GET", "/batch")["ours"][1]["batch"] is None
-    assert {s for s, _ in both("POST", "/register-env", json=atropos_register_env(4, weight=None)).values()} == {422}
+    for field in ("max_token_length", "desired_name", "weight", "group_size"):
+        body = {**atropos_register_env(4), field: None}
+        assert {s for s, _ in both("POST", "/register-env", json=body).values()} == {422}, field
+    assert {s for s, _ in both("POST", "/disconnect-env", json={"env_id": None}).values()} == {422}
     registered = both("POST", "/register-env", json=atropos_register_env(4))
     assert registered["ours"][1]["env_id"] == registered["run-api"][1]["env_id"] == 0
     # env_id as a JSON body on GET, as atroposlib sends it

@@ -279,8 +279,8 @@ class EnvClient:
 class Batch:
     """A batch as the trainer receives it."""
 
-    batch_id: int
-    step: int
+    batch_id: int | None  # None from servers that do not number batches (Atropos' run-api)
+    step: int  # -1 when the server does not say
     redelivered: bool  # sent before and not acknowledged: the trainer may have seen it
     groups: list[dict[str, Any]]
 
@@ -347,10 +347,17 @@ class TrainerClient:
         """The next batch, or None when the queue cannot fill one yet."""
         ack = self.last_batch_id if self.last_batch_id is not None else 0
         data = pydantic_core.from_json(self._request("GET", "/batch", params={"ack": ack}).content)
-        if data.get("batch") is None:
+        if not data.get("batch"):  # null, or [] before a trainer registered (as run-api answers)
             return None
-        batch = Batch(int(data["batch_id"]), int(data["step"]), bool(data["redelivered"]), data["batch"])
-        self.last_batch_id = batch.batch_id
+        batch_id = data.get("batch_id")
+        batch = Batch(
+            None if batch_id is None else int(batch_id),
+            int(data.get("step", -1)),
+            bool(data.get("redelivered", False)),
+            data["batch"],
+        )
+        if batch.batch_id is not None:
+            self.last_batch_id = batch.batch_id
         return batch
 
     def wait_for_batch(self, timeout_s: float, poll_s: float = 0.05) -> Batch:

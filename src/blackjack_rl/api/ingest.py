@@ -30,6 +30,8 @@ FMT_ZLIB = 1  # zlib-compressed JSON object
 FMT_GZIP_OBJECT = 2  # the client's gzip body, a JSON object
 FMT_GZIP_LIST1 = 3  # the client's gzip body, a JSON list holding one object
 
+#: Groups in one /scored_data_list post: queueing them is one transaction that other writers wait for.
+MAX_GROUPS_PER_POST = 4096
 _GROUP_LIST = TypeAdapter(list[ScoredGroup])
 _MASKED = -100
 _SHOWN_ERRORS = 4
@@ -76,6 +78,12 @@ def prepare_groups(
         text, members = gunzip_limited(raw, max_bytes)
     seen: dict[str, bool] = {}
     groups = _parse(text, as_list, seen)
+    if len(groups) > MAX_GROUPS_PER_POST:
+        raise ApiError(
+            413,
+            f"this post holds {len(groups)} groups; send at most {MAX_GROUPS_PER_POST} per post "
+            "(each is a row written while other posts wait)",
+        )
 
     for index, group in enumerate(groups):
         try:
