@@ -208,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-url", help="default http://127.0.0.1:8000")
     g.add_argument("--api-token", help="bearer token (or BLACKJACK_RL_SERVE__API_TOKEN)")
     g.add_argument("--env-name", help="name to register under (default blackjack)")
-    g.add_argument("--worker-id", help="mixed into the deal seeds; give each worker its own (default host-pid)")
+    g.add_argument("--worker-id", help="names this worker: its deals (a restart continues them, see "
+                                       "OUT/serve_state.json) and its API registration (a restart takes it over); "
+                                       "give each worker its own (default host-pid)")
     g.add_argument("--weight", type=float, help="share of each batch (default 1.0)")
     g.add_argument("--min-batch-allocation", type=float, help="minimum share of each batch (0-1)")
     g.add_argument("--max-batches-offpolicy", type=int, help="batches kept ahead of the trainer (default 3)")

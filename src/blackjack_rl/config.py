@@ -144,8 +144,9 @@ class ServeConfig(_Section):
     api_url: str = Field("http://127.0.0.1:8000", description="the trajectory API")
     api_token: str | None = Field(None, description="bearer token of the API (or BLACKJACK_RL_SERVE__API_TOKEN)")
     env_name: str = "blackjack"
-    worker_id: str | None = Field(None, description="mixed into the deal seeds so workers play different deals "
-                                                     "(default: host and process id)")
+    worker_id: str | None = Field(None, description="names this worker: mixed into the deal seeds so workers play "
+                                                     "different deals; a restart with the same id continues its deals "
+                                                     "and takes over its API registration (default: host and process id)")
     weight: float = Field(1.0, description="this environment's share of each batch (Atropos env weight)")
     min_batch_allocation: float | None = Field(None, ge=0.0, le=1.0)
     max_batches_offpolicy: int = Field(3, ge=1, description="batches of groups kept queued or in flight ahead of the trainer")
