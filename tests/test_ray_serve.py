@@ -91,3 +91,17 @@ def test_serve_actors_survive_a_killed_actor_with_no_group_lost_or_duplicated(ra
     assert set(logged) <= set(api_seeds), "a group a worker delivered is missing at the API"
     # at most the one group whose post landed as the actor died is at the API without a log row
     assert len(set(api_seeds) - set(logged)) <= 1
+
+
+def test_a_worker_that_fails_by_itself_is_one_line_and_not_restarted(ray_cluster, tmp_path):
+    """A worker that raises (here: no API to register with) is a failure to report, not a death to retry."""
+    from conftest_api import free_port
+
+    run = popen_cli("serve", "--ray", ray_cluster.address, "--workers", "1", "--worker-id", "lonely",
+                    "--policy", "random", "--api-url", f"http://127.0.0.1:{free_port()}", "--register-timeout", "1",
+                    "--out", str(tmp_path / "w"), "--quiet")
+    output, _ = run.communicate(timeout=180)
+    assert run.returncode == 2, output
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "worker lonely-0 failed" in errors[0], output
+    assert "Traceback" not in output and "restarting" not in output

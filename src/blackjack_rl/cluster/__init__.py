@@ -21,6 +21,17 @@ LOCAL = "local"
 NAMESPACE = "blackjack-rl"
 
 
+class ClusterError(RuntimeError):
+    """The cluster could not finish the job (no room, work lost too often, a worker failing): one line for the user."""
+
+
+def task_error(ray: Any, exc: BaseException, what: str) -> ClusterError:
+    """A call that raised inside an actor, as one line naming what failed and the original error."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    return ClusterError(f"{what} failed: {type(cause).__name__}: {text[-1] if text else ''}")
+
+
 def require_ray() -> Any:
     """The `ray` module, or an ImportError whose message is the one line to show the user."""
     try:

@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from ..config import Settings
 from ..episode import Episode
 from ..groups import GroupResult
-from . import connected, node_failure_errors
+from . import ClusterError, connected, node_failure_errors, task_error
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class Shards:
                         actor.busy += 1
                 waiting = [a.ready for a in actors if a.ready is not None]
                 if not running and not waiting:
-                    raise RuntimeError("every Ray actor of this run died and none could be started again")
+                    raise ClusterError("every Ray actor of this run died and none could be started again")
                 done, _ = await asyncio.wait([*running, *waiting], timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
                 for fut in done:
                     if fut in running:
@@ -156,11 +156,13 @@ class Shards:
                         actor.busy -= 1
                         try:
                             value = fut.result()
+                        except self.ray.exceptions.RayTaskError as exc:
+                            raise task_error(self.ray, exc, f"shard {index} ({method})") from None
                         except failures as exc:
                             attempts[index] += 1
                             self.retried += 1
                             if attempts[index] >= MAX_ATTEMPTS:
-                                raise RuntimeError(f"shard {index} was lost {attempts[index]} times with its Ray "
+                                raise ClusterError(f"shard {index} was lost {attempts[index]} times with its Ray "
                                                    f"actor or node; last error: {exc}") from None
                             log.warning("shard %d lost with its actor (%s); playing it again elsewhere",
                                         index, type(exc).__name__)
@@ -180,7 +182,7 @@ class Shards:
                 if running or any(a.ready is None and not a.dead for a in actors):
                     last_placed = time.monotonic()
                 elif time.monotonic() - last_placed > PLACEMENT_TIMEOUT_S:
-                    raise RuntimeError(f"no Ray actor could be placed for {PLACEMENT_TIMEOUT_S:.0f}s: the cluster has "
+                    raise ClusterError(f"no Ray actor could be placed for {PLACEMENT_TIMEOUT_S:.0f}s: the cluster has "
                                        f"no node with {self.cpus:g} free CPU(s)")
         finally:
             for fut in running:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..config import Settings
 from ..serve import ServeStats
-from . import connected, node_failure_errors
+from . import ClusterError, connected, node_failure_errors, task_error
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,7 @@ class _Slot:
     worker_id: str
     payload: dict[str, Any]
     handle: Any = None
-    node: str | None = None
-    pid: int | None = None
+    where: asyncio.Future[Any] | None = None  # (node id, pid) once Ray has placed the actor
     run: asyncio.Future[Any] | None = None
     restarts: int = 0
     stats: list[ServeStats] = field(default_factory=list)
@@ -120,35 +119,38 @@ class Supervisor:
             self.slots.append(_Slot(wid, payload))
         self.stopping = asyncio.Event()
 
-    async def _start(self, slot: _Slot) -> None:
+    def _start(self, slot: _Slot) -> None:
+        """Create the actor and queue `where` then `run` on it (one at a time, in that order);
+        nothing here waits for Ray to place it, so a worker waiting for room holds up no other."""
         slot.handle = self._remote.options(num_cpus=self.cpus, max_restarts=0, max_concurrency=1,
                                            name=actor_name(slot.worker_id)).remote(slot.payload)
-        slot.run = None
-        try:
-            slot.node, slot.pid = await asyncio.wrap_future(slot.handle.where.remote().future())
-        except node_failure_errors(self.ray) as exc:  # died before it started: the loop restarts it
-            slot.run = asyncio.get_running_loop().create_future()
-            slot.run.set_exception(exc)
-            return
+        slot.where = asyncio.wrap_future(slot.handle.where.remote().future())
         slot.run = asyncio.wrap_future(slot.handle.run.remote().future())
-        log.info("worker %s started on node %s (pid %s)", slot.worker_id, slot.node[:8], slot.pid)
 
     async def stop_all(self) -> None:
-        """SIGTERM to every live worker process; each drains on its own."""
+        """SIGTERM to every live worker process, which then drains on its own; a worker not
+        started yet has nothing to drain and is simply removed."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         calls = []
         for slot in self.slots:
-            if slot.run is not None and not slot.run.done() and slot.pid is not None:
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-                strategy = NodeAffinitySchedulingStrategy(slot.node, soft=False)
-                ref = self._terminate.options(scheduling_strategy=strategy).remote(slot.pid)
+            if slot.run is None or slot.run.done():
+                continue
+            if slot.where is not None and slot.where.done() and slot.where.exception() is None:
+                node, pid = slot.where.result()
+                strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+                ref = self._terminate.options(scheduling_strategy=strategy).remote(pid)
                 calls.append(asyncio.wrap_future(ref.future()))
+            else:
+                with contextlib.suppress(Exception):
+                    self.ray.kill(slot.handle, no_restart=True)
         for call in calls:
             with contextlib.suppress(Exception):
                 await call
 
     async def run(self) -> ClusterServeStats:
-        await asyncio.gather(*(self._start(s) for s in self.slots))
+        for slot in self.slots:
+            self._start(slot)
         failures = node_failure_errors(self.ray)
         stop_wait: asyncio.Task[bool] = asyncio.create_task(self.stopping.wait())
         stopped = False
@@ -180,6 +182,8 @@ class Supervisor:
             slot.stats.append(slot.run.result())
             slot.handle = None
             return
+        except self.ray.exceptions.RayTaskError as exc:
+            raise task_error(self.ray, exc, f"worker {slot.worker_id}") from None
         except failures as exc:
             error = exc
         with contextlib.suppress(Exception):
@@ -190,11 +194,11 @@ class Supervisor:
             return
         slot.restarts += 1
         if slot.restarts > self.max_restarts:
-            raise RuntimeError(f"worker {slot.worker_id} died {slot.restarts} times; giving up (last: {error})")
+            raise ClusterError(f"worker {slot.worker_id} died {slot.restarts} times; giving up (last: {error})")
         log.warning("worker %s died (%s); restarting it (restart %d)", slot.worker_id, type(error).__name__,
                     slot.restarts)
         await asyncio.sleep(RESTART_BACKOFF_S)
-        await self._start(slot)
+        self._start(slot)
 
     def _totals(self) -> ClusterServeStats:
         totals, per_worker = ServeStats(), {}
