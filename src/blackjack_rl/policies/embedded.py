@@ -7,7 +7,6 @@ the model read and sampled, with the model's logprob of each sampled id.
 from __future__ import annotations
 
 import asyncio
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import numpy as np
 from ..protocol import ACTION_NAMES, tool_call_text
 from ..tokens import ChatFormat, LlamaCppTokenizer, common_prefix_length, embedded_model_path
 from .base import InferenceError, Reply, Turn
+from .threads import ThreadChooser, usable_cpus
 
 # Constrained decoding: the only valid answers are these two texts, followed by the
 # end-of-turn token. Used for play and evaluation, never for training data:
@@ -57,8 +57,8 @@ class EmbeddedPolicy:
         self.llama = Llama(
             model_path=str(self.model_path),
             n_ctx=n_ctx,
-            n_threads=n_threads or max(1, (os.cpu_count() or 2)),
-            n_threads_batch=n_threads or max(1, (os.cpu_count() or 2)),
+            n_threads=n_threads or usable_cpus(),
+            n_threads_batch=n_threads or usable_cpus(),
             logits_all=True,  # logprobs of sampled tokens need the logits of every position
             verbose=False,
         )
@@ -71,6 +71,9 @@ class EmbeddedPolicy:
 
         vocab = self.llama._model.vocab
         self._is_end = lambda tok: bool(llama_cpp.llama_vocab_is_eog(vocab, tok))
+        # Unless told how many, no more threads than free cores (see threads.py), revisited as load changes.
+        self._threads = None if n_threads else ThreadChooser(
+            lambda n: llama_cpp.llama_set_n_threads(self.llama.ctx, n, n))
 
     def generation_params(self) -> dict[str, Any]:
         return {
@@ -97,6 +100,8 @@ class EmbeddedPolicy:
                 f"prompt of {len(prompt_ids)} tokens + {self.max_tokens} new tokens exceeds the "
                 f"context of {self.llama.n_ctx()}; raise n_ctx or lower max_token_length"
             )
+        if self._threads is not None:
+            self._threads.check()
         try:
             return self._sample(prompt_ids, seed)
         except Exception as exc:  # llama.cpp failures are inference failures, not game results
