@@ -122,7 +122,8 @@ def _add_play(p: argparse.ArgumentParser) -> None:
                         "llama-server; json_object: llama-cpp-python's server; structured_outputs / guided_json: "
                         "vLLM new / old; tool_choice: a forced tool call)")
     g.add_argument("--threshold", type=int, help="the threshold bot hits below this sum (default 17)")
-    g.add_argument("--threads", type=int, help="llama.cpp threads (default: all cores)")
+    g.add_argument("--threads", type=int, help="llama.cpp threads (default: one per core that other processes "
+                                                "leave free, revisited as the load changes)")
     g = p.add_argument_group("episodes")
     g.add_argument("--max-turns", type=int, help="model turns per episode (default 10)")
     g.add_argument("--invalid-score", type=float, help="score of an invalid answer (default -1.0)")
