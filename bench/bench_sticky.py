@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from blackjack_rl.episode import opening_messages
 from blackjack_rl.groups import Player, play_group
 from blackjack_rl.policies.openai_chat import structured_output_fields
 from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy
@@ -87,6 +88,12 @@ class LlamaServer:
         self.proc.wait(timeout=10)
 
 
+def shared_prefix(chat: ChatFormat) -> int:
+    """Tokens every opening prompt shares (the system prompt and tool schema): every server caches them once."""
+    a, b = (chat.prompt_ids(opening_messages(obs)) for obs in ((12, 2, False), (20, 10, True)))
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+
 def run_mode(sticky: bool, args: argparse.Namespace, chat: ChatFormat, gguf: Path, tmp: Path) -> dict:
     servers = [LlamaServer(gguf, tmp / f"{'sticky' if sticky else 'plain'}-{i}.log", args.cache) for i in range(2)]
     try:
@@ -133,22 +140,29 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="episodes in flight")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--no-cache", dest="cache", action="store_false",
-                    help="servers without the RAM prefix cache (only the last request's KV is reused)")
+                        help="servers without the RAM prefix cache (only the last request's KV is reused)")
+    parser.add_argument("--logs", metavar="DIR", help="keep the servers' logs here (default: a temporary folder)")
     args = parser.parse_args()
     gguf = Path(embedded_model_path())
     chat = ChatFormat.learn(LlamaCppTokenizer.from_gguf(str(gguf)))
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run_mode(False, args, chat, gguf, Path(tmp)), run_mode(True, args, chat, gguf, Path(tmp))]
+        logs = Path(args.logs or tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        rows = [run_mode(False, args, chat, gguf, logs), run_mode(True, args, chat, gguf, logs)]
     print(f"{args.groups} groups x {args.group_size}, {args.concurrency} episodes in flight, two llama_cpp.server "
           f"(1 thread each, prefix cache {'on' if args.cache else 'off'}), constrained to valid calls")
-    print(f"{'routing':<14}{'prefill tokens':>16}{'requests':>10}{'decisions':>11}{'failed':>8}{'wall s':>9}"
-          f"   per server (tokens, requests)")
+    shared = shared_prefix(chat)
+    print(f"{'routing':<14}{'prefill tokens':>16}{'beyond shared':>15}{'requests':>10}{'decisions':>11}{'failed':>8}"
+          f"{'wall s':>9}   per server (tokens, requests)")
     for r in rows:
-        print(f"{'sticky' if r['sticky'] else 'least-loaded':<14}{r['prefill_tokens']:>16}{r['requests']:>10}"
-              f"{r['decisions']:>11}{r['failed']:>8}{r['seconds']:>9.1f}   {r['per_server']}")
+        # the shared prefix is computed once on each server that got any request, whatever the routing
+        r["beyond_shared"] = r["prefill_tokens"] - shared * sum(n > 0 for _, n in r["per_server"])
+        print(f"{'sticky' if r['sticky'] else 'least-loaded':<14}{r['prefill_tokens']:>16}{r['beyond_shared']:>15}"
+              f"{r['requests']:>10}{r['decisions']:>11}{r['failed']:>8}{r['seconds']:>9.1f}   {r['per_server']}")
     plain, sticky = rows
-    if plain["prefill_tokens"]:
-        print(f"sticky / least-loaded: prefill tokens x{sticky['prefill_tokens'] / plain['prefill_tokens']:.2f}, "
+    if plain["prefill_tokens"] and plain["beyond_shared"]:
+        print(f"sticky / least-loaded: prefill tokens x{sticky['prefill_tokens'] / plain['prefill_tokens']:.2f} "
+              f"(beyond the {shared}-token shared prefix x{sticky['beyond_shared'] / plain['beyond_shared']:.2f}), "
               f"wall time x{sticky['seconds'] / plain['seconds']:.2f}")
 
 
