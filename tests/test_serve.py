@@ -260,3 +260,11 @@ def test_two_workers_on_one_out_folder_are_refused(tmp_path):
             if proc is not None and proc.poll() is None:
                 proc.kill()
         api.kill()
+
+
+def test_a_damaged_place_in_the_deal_stream_is_one_line(tmp_path):
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "serve_state.json").write_text("{not json")
+    serve = start_serve("http://127.0.0.1:9", tmp_path / "w", "--register-timeout", "1")
+    out, _ = serve.communicate(timeout=60)
+    assert serve.returncode == 2 and "serve_state.json" in out and "Traceback" not in out, out

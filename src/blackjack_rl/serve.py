@@ -105,7 +105,7 @@ class DealCursor:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as exc:
-            raise RuntimeError(
+            raise ValueError(
                 f"cannot read {self.path} ({exc}); it holds this worker's place in its deals: "
                 "repair it, or delete it to start the stream again (deals would repeat)"
             ) from None
@@ -351,12 +351,16 @@ async def serve(settings: Settings, player: Player, wandb_run: Any | None = None
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     metrics = MetricsLog(out / "serve_metrics.jsonl", wandb_run)
-    client = EnvClient(settings.serve.api_url, token=settings.serve.api_token, outbox=out / "outbox.sqlite")
-    worker = Worker(settings, player, client, metrics)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.stop)
     try:
+        client = EnvClient(settings.serve.api_url, token=settings.serve.api_token, outbox=out / "outbox.sqlite")
+    except BaseException:
+        metrics.close()
+        raise
+    loop = asyncio.get_running_loop()
+    try:
+        worker = Worker(settings, player, client, metrics)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stop)
         return await worker.run()
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
