@@ -14,6 +14,8 @@ any other, so the reward equals `BlackjackEnv`'s for the same deal and the same 
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -119,7 +121,7 @@ def prompt_dataset(seeds: Iterable[int], natural: bool = False, sab: bool = Fals
 # Transformers' response-parsing spec (>= 5.13) for a ChatML answer with Hermes `<tool_call>` blocks.
 # TRL < 1.0 sets only the older `response_schema`, which those transformers no longer read.
 HERMES_RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant"},
+    "defaults": {"role": "assistant", "content": ""},  # TRL 0.x reads `content` even when a call is all
     "start_anchor": "<|im_start|>assistant\n",
     "fields": {
         "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
@@ -133,6 +135,12 @@ HERMES_RESPONSE_TEMPLATE = {
         "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
     },
 }
+
+
+def _trl_major() -> int:
+    from importlib.metadata import version
+
+    return int(version("trl").split(".")[0])
 
 
 def tool_chat_tokenizer(tokenizer: Any) -> Any:
@@ -153,6 +161,10 @@ def tool_chat_tokenizer(tokenizer: Any) -> Any:
         add_response_schema(tokenizer)
     if getattr(tokenizer, "response_template", None) is None:
         tokenizer.response_template = HERMES_RESPONSE_TEMPLATE
+    if _trl_major() < 1 and "prefix" in inspect.signature(tokenizer.parse_response).parameters:
+        # TRL 0.x calls parse_response(ids) on the completion alone; newer transformers then ask
+        # for the prompt prefix, which a Hermes answer does not need (nothing is pre-written).
+        tokenizer.parse_response = functools.partial(tokenizer.parse_response, prefix="")
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
