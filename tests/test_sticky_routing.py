@@ -110,3 +110,18 @@ def test_the_key_is_the_first_user_message():
     later = opening + [{"role": "assistant", "content": "hit"}, {"role": "user", "content": "hand 2"}]
     assert affinity_key(opening) == affinity_key(later) == "hand 1"
     assert affinity_key([{"role": "system", "content": "rules"}]) is None
+
+
+@pytest.mark.parametrize("flags, sticky", [([], True), (["--no-sticky"], False)])
+def test_the_command_line_switches_stickiness(flags, sticky, gguf_path):
+    from blackjack_rl.cli import build_parser, settings_from_args
+    from blackjack_rl.runner import build_player
+
+    args = build_parser().parse_args(["evaluate", "--policy", "openai", "--model", "m", "--server",
+                                      "http://127.0.0.1:9/v1", "--token-path", "completions", "--tokenizer",
+                                      str(gguf_path), *flags])
+    player = build_player(settings_from_args(args))
+    try:
+        assert player.policy.pool.sticky is sticky
+    finally:
+        asyncio.run(player.policy.aclose())

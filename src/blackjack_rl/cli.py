@@ -43,6 +43,7 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "server_api": ("policy", "server_api"),
     "token_path": ("policy", "token_path"),
     "server_concurrency": ("policy", "max_concurrency_per_server"),
+    "sticky": ("policy", "sticky"),
     "natural": ("game", "natural"),
     "sab": ("game", "sab"),
     "max_turns": ("game", "max_turns"),
@@ -113,6 +114,9 @@ def _add_play(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token-path", choices=["auto", "completions", "chat"],
                    help="token ids via completions, or chat text; auto asks the servers (default with --server)")
     g.add_argument("--server-concurrency", type=int, help="requests in flight per server (default 128)")
+    g.add_argument("--no-sticky", dest="sticky", action="store_false", default=None,
+                   help="route each request to the least-loaded server; by default an episode's turns and a group's "
+                        "answers stay on one server while it is healthy, so its prefix cache hits")
     g.add_argument("--constrained", action="store_true", default=None,
                    help="constrained decoding, every answer a valid call: a token-level constraint to the two valid answers (embedded) or the "
                         "server's structured output (openai, see --structured-output); for play and evaluation")

@@ -93,6 +93,8 @@ class PolicyConfig(_Section):
                           "else the single-server chat client"
     )
     max_concurrency_per_server: int = Field(128, ge=1, description="requests in flight per server")
+    sticky: bool = Field(True, description="send every turn of an episode and every answer of a group to one server "
+                                           "while it is healthy (its prefix cache hits); False: least-loaded only")
 
     @model_validator(mode="after")
     def _server_needs_model(self) -> "PolicyConfig":

@@ -97,7 +97,7 @@ def _pooled_policy(settings: Settings, chat: ChatFormat, max_new: int):
     p = settings.policy
     specs = [ServerSpec(s.url, s.weight, s.max_concurrency) for s in p.servers] or [ServerSpec(p.base_url)]
     pool = ServerPool(specs, api_key=p.api_key, timeout=p.timeout, retries=p.retries,
-                      max_concurrency=p.max_concurrency_per_server)
+                      max_concurrency=p.max_concurrency_per_server, sticky=p.sticky)
     return OpenAICompletionsPolicy(
         pool, p.model or "", chat, api=p.server_api, token_path=p.token_path or "auto",
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, max_tokens=max_new,
