@@ -69,6 +69,15 @@ def exact_subset(candidates: Sequence[Candidate], target: int) -> list[Candidate
     """
     if target <= 0:
         return [] if target == 0 else None
+    # The usual queue (one size, or sizes that add up in order) fills the batch with a plain
+    # prefix: no shorter prefix can reach `target`, so that prefix is the answer.
+    total = 0
+    for count, cand in enumerate(candidates, start=1):
+        total += cand.size
+        if total >= target:
+            if total == target:
+                return list(candidates[:count])
+            break
     full = (1 << (target + 1)) - 1
     goal = 1 << target
     reach = [1]
