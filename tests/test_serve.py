@@ -170,7 +170,8 @@ def test_a_restarted_worker_continues_its_deals(tmp_path):
         pull(trainer, 6, 60, seen)
         assert len(seen) == 6 and len({group_key(g) for g in seen}) == 6
         state = json.loads((tmp_path / "w" / "serve_state.json").read_text())
-        assert [s["watermark"] for s in state["streams"].values()] == [6]
+        (stream,) = state["streams"].values()
+        assert stream["watermark"] >= 6 and stream["done"] == []  # every deal played is written down
         assert len(set(_registered_env_ids(tmp_path / "w"))) == 1  # the second run took over env 0
     finally:
         api.kill()
