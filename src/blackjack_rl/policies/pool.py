@@ -353,6 +353,14 @@ class ServerPool:
                 except ValueError:
                     pass
 
+    def _usable(self, s: _Server, now: float) -> bool:
+        """Healthy and below its cap; a quarantined server whose time is up gets its probe started."""
+        if s.quarantined_until:
+            if now >= s.quarantined_until and not s.probing and not self._closed:
+                self._spawn_probe(s)
+            return False
+        return s.in_flight < s.cap
+
     def _pick(self, now: float, avoid: Iterable[_Server]) -> _Server | None:
         servers = self._servers
         n = len(servers)
@@ -362,11 +370,7 @@ class ServerPool:
         start = self._turn = (self._turn + 1) % n
         for k in range(n):
             s = servers[(start + k) % n]
-            if s.quarantined_until:
-                if now >= s.quarantined_until and not s.probing and not self._closed:
-                    self._spawn_probe(s)
-                continue
-            if s.in_flight >= s.cap:
+            if not self._usable(s, now):
                 continue
             score = (s.in_flight + 1) / s.weight
             if avoid and s in avoid:
@@ -382,11 +386,7 @@ class ServerPool:
         fallback: _Server | None = None
         for rank, i in enumerate(order):
             s = self._servers[i]
-            if s.quarantined_until:
-                if now >= s.quarantined_until and not s.probing and not self._closed:
-                    self._spawn_probe(s)
-                continue
-            if s.in_flight >= s.cap:
+            if not self._usable(s, now):
                 continue
             if avoid and s in avoid:
                 fallback = fallback or s
