@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,22 +32,20 @@ from pathlib import Path
 
 import httpx
 
-from blackjack_rl.episode import opening_messages
-from blackjack_rl.groups import Player, play_group
-from blackjack_rl.policies.openai_chat import structured_output_fields
-from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy
-from blackjack_rl.policies.pool import ServerPool, ServerSpec
-from blackjack_rl.solver import solve
-from blackjack_rl.game import Rules
-from blackjack_rl.tokens import ChatFormat, LlamaCppTokenizer, embedded_model_path
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from mock_openai_server import free_port  # noqa: E402
+
+from blackjack_rl.episode import opening_messages  # noqa: E402
+from blackjack_rl.groups import Player, play_group  # noqa: E402
+from blackjack_rl.policies.openai_chat import structured_output_fields  # noqa: E402
+from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy  # noqa: E402
+from blackjack_rl.policies.pool import ServerPool, ServerSpec  # noqa: E402
+from blackjack_rl.solver import solve  # noqa: E402
+from blackjack_rl.game import Rules  # noqa: E402
+from blackjack_rl.tokens import ChatFormat, LlamaCppTokenizer, embedded_model_path  # noqa: E402
 
 PROMPT_EVAL = re.compile(r"prompt eval time\s*=\s*[\d.]+ ms /\s*(\d+) tokens")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LlamaServer:
