@@ -144,12 +144,16 @@ def _pooled(url, chat):
     return OpenAICompletionsPolicy(ServerPool([ServerSpec(url)], retries=0), "m", chat, token_path="chat")
 
 
+def _played(answer, via, chat, solution):
+    """One episode against a server that gives `answer`, directly or through the server pool."""
+    with CannedServer(answer) as server:
+        return _play_one(_direct(server.url) if via == "direct" else _pooled(server.url, chat), chat, solution)
+
+
 @pytest.mark.parametrize("via", ["direct", "pool"])
 @pytest.mark.parametrize("name", list(READABLE))
 def test_content_parts_and_native_calls_are_read_as_text(name, via, vocab_chat, solution):
-    with CannedServer(chat_answer(READABLE[name])) as server:
-        policy = _direct(server.url) if via == "direct" else _pooled(server.url, vocab_chat)
-        ep = _play_one(policy, vocab_chat, solution)
+    ep = _played(chat_answer(READABLE[name]), via, vocab_chat, solution)
     assert not ep.failed, ep.error
     assert ep.decisions[0].action == HIT
     assert all(isinstance(m["content"], str) for m in ep.messages)
@@ -158,10 +162,7 @@ def test_content_parts_and_native_calls_are_read_as_text(name, via, vocab_chat, 
 @pytest.mark.parametrize("via", ["direct", "pool"])
 def test_lone_surrogates_in_an_answer_are_replaced_not_a_crash(via, vocab_chat, solution):
     """The JSON escape \\ud800 alone is not text: UTF-8 (the tokenizer, the files) cannot encode it."""
-    answer = chat_answer({"role": "assistant", "content": "\ud800" + CALL + "\udfff"})
-    with CannedServer(answer) as server:
-        policy = _direct(server.url) if via == "direct" else _pooled(server.url, vocab_chat)
-        ep = _play_one(policy, vocab_chat, solution)
+    ep = _played(chat_answer({"role": "assistant", "content": "\ud800" + CALL + "\udfff"}), via, vocab_chat, solution)
     if ep.failed:  # orjson, when installed, refuses the escape for the pool: a reason, not a crash
         assert via == "pool" and "invalid JSON" in ep.error
     else:
@@ -172,9 +173,7 @@ def test_lone_surrogates_in_an_answer_are_replaced_not_a_crash(via, vocab_chat, 
 @pytest.mark.parametrize("via", ["direct", "pool"])
 @pytest.mark.parametrize("name", list(INVALID))
 def test_a_malformed_native_call_is_an_invalid_answer(name, via, vocab_chat, solution):
-    with CannedServer(chat_answer(INVALID[name])) as server:
-        policy = _direct(server.url) if via == "direct" else _pooled(server.url, vocab_chat)
-        ep = _play_one(policy, vocab_chat, solution)
+    ep = _played(chat_answer(INVALID[name]), via, vocab_chat, solution)
     assert ep.status == "invalid" and ep.score == -1.0 and ep.error is None
 
 
