@@ -148,6 +148,15 @@ def _registered_env_ids(out: Path) -> list[int]:
     return [r["env_id"] for r in metrics_rows(out) if r["kind"] == "registered"]
 
 
+def _kill(*procs: subprocess.Popen | ServerProcess | None) -> None:
+    """SIGKILL whatever of these (started by this test) still runs."""
+    for proc in procs:
+        if isinstance(proc, ServerProcess):
+            proc.kill()
+        elif proc is not None and proc.poll() is None:
+            proc.kill()
+
+
 def _stop(proc: subprocess.Popen) -> str:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -208,10 +217,7 @@ def test_a_killed_worker_with_a_minimum_share_never_stalls_training(tmp_path, re
             ids = _registered_env_ids(tmp_path / "a")
             assert len(ids) == 2 and ids[0] == ids[1]
     finally:
-        for proc in (a, b):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-        api.kill()
+        _kill(a, b, api)
 
 
 def test_the_off_policy_bound_holds_between_polls(tmp_path):
@@ -237,9 +243,7 @@ def test_the_off_policy_bound_holds_between_polls(tmp_path):
         stopped = metrics_rows(tmp_path / "w")[-1]
         assert trainer.status().queue_size == 2 and stopped["sent"] == 2, (trainer.status(), stopped)
     finally:
-        if serve is not None and serve.poll() is None:
-            serve.kill()
-        api.kill()
+        _kill(serve, api)
 
 
 def test_two_workers_on_one_out_folder_are_refused(tmp_path):
@@ -257,10 +261,7 @@ def test_two_workers_on_one_out_folder_are_refused(tmp_path):
         assert second.returncode == 2 and "another environment worker process is using" in out, out
         assert "Traceback" not in out and first.poll() is None
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-        api.kill()
+        _kill(first, second, api)
 
 
 def test_a_damaged_place_in_the_deal_stream_is_one_line(tmp_path):
