@@ -207,3 +207,12 @@ def test_a_regret_interval_never_goes_below_zero():
     regrets = [0.0] * 39 + [0.5]  # one costly mistake in 40 decisions
     r = mean_ci(regrets, (0.0, 2.5))
     assert r["mean"] - 1.96 * r["stderr"] < 0 and r["ci95_low"] == 0.0 < r["ci95_high"]
+
+
+@pytest.mark.parametrize("metrics", ["{\"episodes\": 3", "[1, 2]"], ids=["truncated", "not an object"])
+def test_a_damaged_metrics_file_is_one_line(bot_runs, tmp_path, metrics):
+    (tmp_path / "metrics.json").write_text(metrics)
+    (tmp_path / "samples.jsonl").write_text((bot_runs / "optimal" / "samples.jsonl").read_text())
+    proc = run("compare", str(bot_runs / "optimal"), str(tmp_path), "--out", str(tmp_path / "cmp"), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "metrics.json" in proc.stderr

@@ -18,7 +18,12 @@ def load_run(folder: str | Path, name: str | None = None) -> Run:
     if not samples_path.is_file():
         raise FileNotFoundError(f"{folder} has no samples.jsonl: runs are compared episode by episode, "
                                 "so evaluate them without --no-samples")
-    metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
+    try:
+        metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"{metrics_path} is not valid JSON ({exc}); evaluate the run again") from None
+    if not isinstance(metrics, dict):
+        raise ValueError(f"{metrics_path} does not hold an evaluation's metrics; evaluate the run again")
     rows = []
     with samples_path.open(encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
