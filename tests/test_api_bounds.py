@@ -360,3 +360,40 @@ def test_groups_per_post_are_bounded(api: TestClient) -> None:
     assert r.status_code == 413 and f"at most {MAX_GROUPS_PER_POST}" in r.json()["detail"]
     assert api.get("/status").json()["queue_size"] == 0
     assert api.post("/scored_data_list", json=[tiny] * 8).status_code == 200
+
+
+def test_a_database_from_before_these_columns_opens(tmp_path: Path) -> None:
+    """Older files: no worker_id or digest columns, and a trainer stored with `wandb_group: null`."""
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "old.sqlite")
+    db.executescript(
+        """
+        CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE envs(env_id INTEGER PRIMARY KEY, desired_name TEXT NOT NULL, real_name TEXT NOT NULL,
+            max_token_length INTEGER NOT NULL, weight REAL NOT NULL, group_size INTEGER NOT NULL,
+            min_batch_allocation REAL, connected INTEGER NOT NULL, registered_at REAL NOT NULL);
+        CREATE TABLE idempotency(key TEXT PRIMARY KEY, response TEXT NOT NULL, created_at REAL NOT NULL);
+        INSERT INTO envs VALUES(0, 'bj', 'bj_0', 512, 1.0, 4, NULL, 1, 0);
+        INSERT INTO idempotency VALUES('old-key', '{"status": "received"}', 1e12);
+        """
+    )
+    trainer = {**ATROPOS_REGISTRATION, "wandb_group": None, "wandb_project": None}
+    db.executemany("INSERT INTO meta VALUES(?, ?)",
+                   [("schema_version", "1"), ("trainer", json.dumps(trainer)), ("step", "3"), ("started", "1")])
+    db.commit()
+    db.close()
+    store = Store(tmp_path / "old.sqlite")
+    try:
+        assert store.mirror.trainer is not None and store.mirror.trainer.wandb_group == ""
+        assert store.mirror.envs[0].worker_id is None and store.mirror.step == 3
+        req = RegisterEnv(max_token_length=512, desired_name="bj", group_size=4, worker_id="w")
+        assert store.register_env(req)["env_id"] == 1
+        raw = json.dumps(make_group(env_id=0, uid="x")).encode()
+        groups = prepare_groups(raw, "identity", store.context, as_list=False, max_bytes=10**7)
+        # a key remembered without a digest is replayed, whatever the body
+        answer = store.enqueue(groups, as_list=False, idempotency_key="old-key", generation=store.generation,
+                               digest="abc")
+        assert answer == {"status": "received"} and store.status()["queue_size"] == 0
+    finally:
+        store.close()
