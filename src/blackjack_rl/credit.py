@@ -18,7 +18,8 @@ In counterfactual groups the two valid calls are added, forced, to every group, 
 action tokens carry the exact all-action policy gradient, p(a) * (Q*(s, a) - V_p), where
 p is the policy's own probability of each call among the two and V_p = sum_a p(a) Q*(s, a).
 The sampled answers' action tokens then carry nothing (the decision is already credited
-exactly), and the forced answers' format tokens carry nothing (they were not sampled).
+exactly); the forced answers' format tokens carry the validity credit of a valid answer
+against the sampled ones (see `validity_advantages`).
 
 Advantages are in score units, not divided by a group's spread: a decision worth 0.05 must
 not weigh as much as one worth 0.5.
@@ -75,11 +76,18 @@ def action_token_indices(ids: Sequence[int], text_span: tuple[int, int] | None,
 
 
 def validity_advantages(answers: Sequence[AnswerCredit], invalid_score: float, format_bonus: float) -> list[float]:
-    """Each sampled answer's validity score minus the sampled answers' mean; forced: 0."""
+    """Each answer's validity score minus the mean over the *sampled* answers.
+
+    A forced call is a valid answer the policy could have given; measured against what it
+    did sample, it carries the format's credit too: positive while the sampled answers are
+    often invalid, zero once they are all valid. Both forced calls get the same format
+    credit, so it teaches the format and says nothing about the decision. (It is guidance,
+    not an unbiased policy-gradient term: the calls were not sampled.)
+    """
     scores = [format_bonus if a.valid else invalid_score for a in answers]
     sampled = [s for s, a in zip(scores, answers) if not a.forced]
-    mean = sum(sampled) / len(sampled) if sampled else 0.0
-    return [0.0 if a.forced else s - mean for s, a in zip(scores, answers)]
+    mean = sum(sampled) / len(sampled) if sampled else format_bonus
+    return [s - mean for s in scores]
 
 
 def call_probabilities(logprob_hit: float, logprob_stick: float) -> dict[int, float]:

@@ -127,9 +127,11 @@ def system_prompt(thinking: bool = False) -> str:
     Trainers such as the Axolotl plugin take the prompt as the prefix shared by a group, so any
     variation here (timestamps, random examples) would silently corrupt training data.
 
-    It shows both calls, each introduced by what it does, and no single "whole answer":
-    a prompt whose one complete example is the stick call made the untrained model say
-    stick in every hand, and RL then rewarded that bias along with the format.
+    It shows both calls as the two possible whole answers. A prompt whose one complete
+    example was the stick call made the untrained model say stick in every hand, and RL
+    then rewarded that bias along with the format. A small model still favours whichever
+    call is listed first (docs/training/README.md has the measurements); hit comes first
+    because it is optimal in 53% of first decisions.
     """
     tools_json = json.dumps(TOOLS)
     intro = (
@@ -140,19 +142,19 @@ def system_prompt(thinking: bool = False) -> str:
         "You have one function available. Its definition is inside <tools></tools>:\n"
         f"<tools>\n{tools_json}\n</tools>\n\n"
         "To call the function, write a JSON object with the function name and its arguments "
-        "inside <tool_call> </tool_call> tags. There are exactly two possible calls.\n"
-        f"To take another card:\n{tool_call_text(HIT)}\n"
-        f"To keep your hand:\n{tool_call_text(STICK)}\n\n"
+        "inside <tool_call> </tool_call> tags.\n\n"
     )
+    calls = f"{tool_call_text(HIT)}\n{tool_call_text(STICK)}\n"
     if thinking:
         answer = (
-            "First reason about your decision inside <think> </think> tags, then write exactly "
-            "one of the two calls after the closing </think> tag.\n"
+            "First reason about your decision inside <think> </think> tags, then write the "
+            "function call after the closing </think> tag. The call should look like one of "
+            f"these two:\n{calls}"
         )
     else:
         answer = (
-            "Answer with exactly one of the two calls, chosen for your hand: no reasoning, no "
-            "thinking block and no other text.\n"
+            "Answer with the function call only: no reasoning, no thinking block and no other "
+            f"text. Your whole answer should look like one of these two:\n{calls}"
         )
     return intro + answer
 

@@ -1,0 +1,272 @@
+"""The learning signal: per-token credit, counterfactual step groups and the exact strategy chart."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+
+import pytest
+
+from blackjack_rl.credit import AnswerCredit, action_char_span, action_token_indices, decision_advantages
+from blackjack_rl.episode import EpisodeSettings, opening_messages, play_episode
+from blackjack_rl.game import Observation, Rules, Table
+from blackjack_rl.grid import GRID_STATES, evaluate_grid, visits
+from blackjack_rl.groups import Player, play_group
+from blackjack_rl.policies.base import Reply
+from blackjack_rl.policies.bots import OptimalBot, RandomBot, ThresholdBot
+from blackjack_rl.probe import probe_policy
+from blackjack_rl.protocol import HIT, STICK, tool_call_text
+from blackjack_rl.solver import baselines, policy_outcome
+from blackjack_rl.stepgroups import play_step_groups
+from blackjack_rl.tokens import MASKED, trained_spans
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class Scripted:
+    """Answers chosen by a function of the turn: hit, stick and invalid answers on demand."""
+
+    name = "scripted"
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def generation_params(self):
+        return {"policy": "scripted"}
+
+    async def respond(self, turn):
+        return Reply(text=self.fn(turn))
+
+    async def aclose(self):
+        pass
+
+
+KINDS = [tool_call_text(HIT), tool_call_text(STICK), "I would rather not say"]
+
+
+def _kind(turn):
+    return KINDS[random.Random(turn.seed).randrange(3)]
+
+
+# --------------------------------------------------------------------------- per-token credit
+
+
+def test_action_tokens_spell_the_action_word(vocab_chat):
+    for action, word in ((HIT, "hit"), (STICK, "stick")):
+        text = tool_call_text(action)
+        ids = vocab_chat.backend.encode(text)
+        idx = action_token_indices(ids, action_char_span(text), vocab_chat.backend.decode)
+        assert idx and idx == list(range(idx[0], idx[-1] + 1))
+        assert vocab_chat.backend.decode([ids[i] for i in idx]).strip(' "') == word
+
+
+def test_step_group_advantages_separate_format_from_decision(vocab_chat, solution):
+    settings = EpisodeSettings(invalid_score=-1.0, format_bonus=0.25)
+    player = Player(Scripted(_kind), vocab_chat, solution, settings)
+    checked = {"valid": 0, "invalid": 0}
+    for seed in range(30):
+        deal = run(play_step_groups(player, seed, 6, token_advantages=True))
+        for result in deal.groups:
+            g = result.group
+            adv = g["advantages"]
+            assert [len(a) for a in adv] == [len(t) for t in g["tokens"]]
+            valid = [m["action"] is not None for m in g["episodes"]]
+            fmt_scores = [0.25 if v else -1.0 for v in valid]
+            mean = statistics.fmean(fmt_scores)
+            q = g["episodes"][0]["q"]
+            for tokens, masks, a, meta, f in zip(g["tokens"], g["masks"], adv, g["episodes"], fmt_scores):
+                (start, end), = trained_spans(masks)
+                assert all(x == 0.0 for x in a[:start])  # the prompt carries nothing
+                answer = a[start:end]
+                if meta["action"] is None:
+                    assert all(x == pytest.approx(f - mean) for x in answer)
+                    checked["invalid"] += 1
+                    continue
+                text = vocab_chat.backend.decode(tokens[start:end])
+                action_idx = set(action_token_indices(tokens[start:end], action_char_span(text),
+                                                      vocab_chat.backend.decode))
+                expected_decision = q[meta["action"]] - (q["hit"] + q["stick"]) / 2
+                for i, x in enumerate(answer):
+                    want = expected_decision if i in action_idx else f - mean
+                    assert x == pytest.approx(want)
+                checked["valid"] += 1
+    assert checked["valid"] > 50 and checked["invalid"] > 20
+
+
+def test_episode_group_advantages_credit_each_decision(vocab_chat, solution):
+    player = Player(Scripted(_kind), vocab_chat, solution)
+    seen = 0
+    for seed in range(20):
+        result = run(play_group(player, seed, 4, token_advantages=True))
+        g = result.group
+        for ep, tokens, masks, adv in zip(result.episodes, g["tokens"], g["masks"], g["advantages"]):
+            assert len(adv) == len(tokens)
+            spans = trained_spans(masks)
+            assert len(spans) == len(ep.decisions)
+            for (start, end), d in zip(spans, ep.decisions):
+                if d.action is None:
+                    assert len(set(adv[start:end])) == 1  # one validity penalty on every token
+                    continue
+                q = solution.q_values((d.player_sum, d.dealer_card, d.usable_ace), d.natural)
+                assert q[d.action] - (q[0] + q[1]) / 2 in [pytest.approx(x) for x in adv[start:end]]
+                seen += 1
+    assert seen > 20
+
+
+def test_all_action_credit_is_the_exact_expected_gradient():
+    q = (-0.2, 0.1)  # hitting is better by 0.3
+    p = {1: 0.25, 0: 0.75}
+    forced = [AnswerCredit(True, HIT, forced=True), AnswerCredit(True, STICK, forced=True)]
+    adv = decision_advantages([AnswerCredit(True, STICK), *forced], q, p)
+    v = 0.25 * 0.1 + 0.75 * -0.2
+    assert adv == [0.0, pytest.approx(0.25 * (0.1 - v)), pytest.approx(0.75 * (-0.2 - v))]
+    # With z = logit(hit) - logit(stick): d log p(hit)/dz = 1 - p, d log p(stick)/dz = -p, so the
+    # two terms give p(1 - p)(Q_hit - Q_stick) = d/dz of sum_a p(a) Q(a), the exact gradient.
+    assert adv[1] * 0.75 - adv[2] * 0.25 == pytest.approx(0.25 * 0.75 * 0.3)
+
+
+# --------------------------------------------------------------------------- counterfactual groups
+
+
+@pytest.mark.embedded
+def test_counterfactual_groups_hold_both_calls_scored_by_q_with_the_models_logprobs(embedded, solution):
+    player = Player(embedded, embedded.chat, solution, EpisodeSettings(max_new_tokens=48))
+    deal = run(play_step_groups(player, 7, 3, counterfactual=True))
+    assert deal.groups
+    for result in deal.groups:
+        g = result.group
+        meta = g["episodes"]
+        assert [m["forced"] for m in meta] == [False, False, False, True, True]
+        q = solution.q_values(meta[0]["state"], meta[0]["natural"])
+        prompt_len = trained_spans(g["masks"][0])[0][0]
+        prompt = g["tokens"][0][:prompt_len]
+        for row, action in zip((3, 4), (HIT, STICK)):
+            answer = g["tokens"][row][prompt_len:]
+            assert answer == embedded.chat.answer_ids(tool_call_text(action))
+            assert g["scores"][row] == q[action]
+            # the model's own logprobs, recomputed independently token by token
+            own = _logprobs_one_by_one(embedded, prompt, answer)
+            assert g["inference_logprobs"][row][prompt_len:] == pytest.approx(own, abs=2e-3)
+        adv = g["advantages"]
+        p_hit = meta[0]["p_call"]["hit"]
+        v = p_hit * q[HIT] + (1 - p_hit) * q[STICK]
+        sampled_validity = statistics.fmean(0.0 if m["action"] is not None else -1.0 for m in meta[:3])
+        decode = embedded.chat.backend.decode
+        for row, action, p in ((3, HIT, p_hit), (4, STICK, 1 - p_hit)):
+            answer = g["tokens"][row][prompt_len:]
+            idx = set(action_token_indices(answer, action_char_span(decode(answer)), decode))
+            assert idx
+            for i, x in enumerate(adv[row][prompt_len:]):
+                # action tokens: p(a)(Q(a) - V_p); format tokens: a valid answer against the sampled ones
+                assert x == pytest.approx(p * (q[action] - v) if i in idx else 0.0 - sampled_validity)
+        # sampled answers carry no decision credit of their own in a counterfactual group
+        for row in range(3):
+            assert len(set(adv[row][prompt_len:])) == 1
+
+
+def _logprobs_one_by_one(policy, prompt, answer):
+    import numpy as np
+
+    llama = policy.llama
+    llama.reset()
+    llama.eval(prompt)
+    out = []
+    for tok in answer:
+        logits = np.asarray(llama.scores[llama.n_tokens - 1], dtype=np.float64)
+        peak = logits.max()
+        out.append(float(logits[tok] - peak - np.log(np.exp(logits - peak).sum())))
+        llama.eval([tok])
+    llama.reset()
+    return out
+
+
+def test_counterfactual_groups_need_a_policy_that_scores_answers(vocab_chat, solution):
+    player = Player(OptimalBot(solution), vocab_chat, solution)
+    deal = run(play_step_groups(player, 3, 2, counterfactual=True))
+    assert deal.status == "failed" and "cannot give them" in deal.error
+
+
+# --------------------------------------------------------------------------- exact grid
+
+
+def _bot_grid(bot, solution):
+    player = Player(bot, None, solution)
+    return evaluate_grid(solution, run(probe_policy(player)).p_hit)
+
+
+def test_grid_of_the_bots_is_exact(solution):
+    exact = baselines(Rules())
+    optimal = _bot_grid(OptimalBot(solution), solution)
+    assert optimal.value == pytest.approx(-0.04656, abs=5e-6)
+    assert abs(optimal.value - exact["optimal"].value) < 1e-9
+    assert optimal.accuracy == 1.0 and optimal.regret == pytest.approx(0.0, abs=1e-12) and optimal.hit_gap == 1.0
+    stick = _bot_grid(ThresholdBot(4), solution)  # hits below 4: never
+    assert abs(stick.value - exact["always_stick"].value) < 1e-9
+    assert stick.value == pytest.approx(-0.18637, abs=5e-6)
+    assert abs(_bot_grid(RandomBot(), solution).value - exact["random"].value) < 1e-9
+    t17 = _bot_grid(ThresholdBot(17), solution)
+    assert abs(t17.value - policy_outcome(Rules(), lambda s, d, u, n: float(s < 17)).value) < 1e-9
+    assert t17.value < optimal.value and 0.5 < t17.accuracy < 1.0
+
+
+def test_visits_conserve_the_deal_and_always_stick_decides_once(solution):
+    v = visits(Rules(), lambda s, d, u, n: 0.0)
+    assert sum(v.values()) == pytest.approx(1.0, abs=1e-12)
+    v_hit = visits(Rules(), lambda s, d, u, n: float(s < 21))
+    assert sum(v_hit.values()) > 1.5  # hitting to 21 decides more than once per deal
+    assert all(k[:3] in set(GRID_STATES) for k in v_hit)
+
+
+class GridBot:
+    """Plays the stochastic policy of a grid, seeded per turn: its Monte Carlo is the check."""
+
+    name = "grid"
+
+    def __init__(self, p_hit):
+        self.p_hit = p_hit
+
+    def generation_params(self):
+        return {"policy": self.name}
+
+    async def respond(self, turn):
+        o = turn.observation
+        h = self.p_hit[(o.player_sum, o.dealer_card, o.usable_ace)]
+        return Reply(text=tool_call_text(HIT if random.Random(turn.seed).random() < h else STICK))
+
+    async def aclose(self):
+        pass
+
+
+def _monte_carlo(p_hit, chat, solution, n):
+    bot = GridBot(p_hit)
+
+    async def main():
+        table = Table(Rules())
+        return [await play_episode(table, bot, chat, solution, 10**9 + i) for i in range(n)]
+
+    rewards = [ep.reward for ep in run(main())]
+    mean = statistics.fmean(rewards)
+    se = statistics.stdev(rewards) / math.sqrt(n)
+    return mean, se
+
+
+@pytest.mark.embedded
+@pytest.mark.slow
+def test_grid_of_the_model_agrees_with_a_monte_carlo_of_its_policy(embedded, vocab_chat, solution):
+    player = Player(embedded, embedded.chat, solution)
+    probe = run(probe_policy(player))
+    assert set(probe.p_hit) == set(GRID_STATES)
+    g = evaluate_grid(solution, probe.p_hit)
+    assert 0.0 < g.p_hit_stick_optimal < 1.0 and 0.0 < g.p_hit_hit_optimal < 1.0  # a stochastic policy
+    # the probe reads the same probabilities a direct scoring of the two calls gives
+    k = (16, 10, False)
+    prompt = embedded.chat.prompt_ids(opening_messages(Observation(*k)))
+    hit, stick = (run(embedded.answer_logprobs(prompt, [embedded.chat.answer_ids(tool_call_text(a))]))[0]
+                  for a in (HIT, STICK))
+    assert probe.p_hit[k] == pytest.approx(1 / (1 + math.exp(sum(stick) - sum(hit))), abs=1e-4)
+    mean, se = _monte_carlo(probe.p_hit, vocab_chat, solution, 30_000)
+    assert abs(mean - g.value) < 3.5 * se, (mean, se, g.value)
