@@ -403,6 +403,8 @@ def user_error(exc: BaseException) -> str:
     if isinstance(exc, SettingsError):  # raised for environment variables only
         return (f"{exc}: an environment variable for a list or mapping setting holds JSON, "
                 """e.g. BLACKJACK_RL_API_CORS_ORIGINS='["https://example.org"]'""")
+    if isinstance(exc, sqlite3.OperationalError):  # cannot open, locked, read-only
+        return f"database error: {exc}"
     if isinstance(exc, sqlite3.DatabaseError):
         return f"database error: {exc} (is it a blackjack-rl database, and not damaged?)"
     return " ".join(str(exc).split()) or type(exc).__name__
