@@ -221,3 +221,10 @@ def test_a_stopped_run_leaves_no_file_that_looks_complete(tmp_path, gguf_path):
     assert "groups.jsonl" not in left and "groups.jsonl.partial" in left  # what it wrote, under a telling name
     for line in (out / "groups.jsonl.partial").read_text().splitlines():
         json.loads(line)  # whole lines only
+
+
+def test_serve_with_an_unwritable_out_is_one_line(tmp_path):
+    proc = subprocess.run([*CLI, "serve", "--policy", "optimal", "--out", str(_file(tmp_path) / "w"),
+                           "--api-url", "http://127.0.0.1:9", "--register-timeout", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert "a-file" in _one_error_line(proc)
