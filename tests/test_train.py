@@ -185,8 +185,12 @@ def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir,
                "--eval-every", "1", "--save-every", "1", "--lora", "--threads", "1", "--out", str(out), cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), ("step", 1), ("eval", 1), ("step", 2), ("eval", 2)]
-    step = rows[1]
+    assert [(r["kind"], r["step"]) for r in rows] == [
+        ("eval", 0), ("grid", 0), ("step", 1), ("eval", 1), ("step", 2), ("eval", 2)
+    ]
+    step = rows[2]
+    for key in ("grid_accuracy", "grid_value", "grid_p_hit_hit_optimal", "grid_p_hit_stick_optimal"):
+        assert key in step and key in rows[1]
     for key in ("mean_score", "valid_call_rate", "decision_accuracy", "sample_tokens_per_s", "trained_groups"):
         assert key in step
     assert set(rows[0]["summary"]) >= {"valid_decisions", "win", "decision_accuracy", "mean_reward"}
@@ -232,3 +236,80 @@ def test_trains_on_batches_pulled_from_the_trajectory_api(tiny_policy, solution,
     params = list(model.parameters())
     stats = optimize(model, torch.optim.AdamW(params, lr=1e-3), params, pulled, LossConfig(), Settings(), None)
     assert stats["trained_groups"] >= 1 and stats["logprob_gap"] < 1e-3  # same weights sampled them
+
+
+def test_per_token_credit_moves_the_decision_and_not_the_format(tiny_model_dir):
+    """A group of a hit and a stick call whose only credit is on the action token: one step
+    raises the better action's probability, and the format tokens barely move."""
+    torch.manual_seed(0)
+    model, tokenizer = load_model(tiny_model_dir)
+    chat = ChatFormat.learn(tokenizer)
+    prompt = chat.prompt_ids(opening_messages(Observation(12, 6, False)))
+    calls = [chat.answer_ids(tool_call_text(HIT)), chat.answer_ids(tool_call_text(0))]
+    tokens = [[*prompt, *c] for c in calls]
+    masks = [[MASKED] * len(prompt) + list(c) for c in calls]
+    decode = tokenizer.decode
+    from blackjack_rl.credit import action_char_span, action_token_indices
+
+    action = [set(action_token_indices(c, action_char_span(decode(c)), decode)) for c in calls]
+    # hitting is better here: +0.3 on the hit token, -0.3 on the stick token, 0 elsewhere
+    advantages = [
+        [0.0] * len(prompt) + [(0.3 if i in action[0] else 0.0) for i in range(len(calls[0]))],
+        [0.0] * len(prompt) + [(-0.3 if i in action[1] else 0.0) for i in range(len(calls[1]))],
+    ]
+    group = {"tokens": tokens, "masks": masks, "scores": [0.0, 0.0], "advantages": advantages}
+    targets = trained_targets(group)
+
+    def logprobs():
+        with torch.no_grad():
+            return token_logprobs(model, tokens, targets, 1.0)
+
+    before = logprobs()
+    group["inference_logprobs"] = [[1.0] * len(prompt) + before[targets.rows == r].tolist() for r in (0, 1)]
+    settings = Settings(train=TrainConfig(lr=3e-3))
+    model = make_trainable(model, settings)
+    params = [p for p in model.parameters() if p.requires_grad]
+    stats = optimize(model, torch.optim.AdamW(params, lr=3e-3), params, [group], LossConfig(), settings, None)
+    assert stats["trained_groups"] == 1
+    delta = (logprobs() - before).tolist()
+    rows, positions = targets.rows.tolist(), targets.positions.tolist()
+    is_action = [positions[k] - len(prompt) in action[rows[k]] for k in range(len(rows))]
+    hit_gain = sum(d for d, r, a in zip(delta, rows, is_action) if a and r == 0)
+    stick_gain = sum(d for d, r, a in zip(delta, rows, is_action) if a and r == 1)
+    format_moves = [abs(d) for d, a in zip(delta, is_action) if not a]
+    assert hit_gain > 0.05 and stick_gain < -0.05
+    assert sum(format_moves) / len(format_moves) < 0.2 * (hit_gain - stick_gain)
+
+
+def test_a_resumed_run_takes_the_same_next_step(tiny_model_dir, tmp_path):
+    common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "3", "--group-by",
+              "step", "--counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "0",
+              "--save-every", "1", "--threads", "1", "--lr", "1e-3", "--seed", "5"]
+    whole = _cli("train", *common, "--steps", "2", "--out", str(tmp_path / "whole"), cwd=tmp_path)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    resumed = _cli("train", *common, "--steps", "2", "--resume", str(tmp_path / "whole" / "checkpoints" / "step_0001"),
+                   "--out", str(tmp_path / "resumed"), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout
+
+    def step_rows(path):
+        return [json.loads(x) for x in (path / "train_log.jsonl").read_text().splitlines() if '"step"' in x]
+
+    a = [r for r in step_rows(tmp_path / "whole") if r["kind"] == "step" and r["step"] == 2][0]
+    b = [r for r in step_rows(tmp_path / "resumed") if r["kind"] == "step" and r["step"] == 2][0]
+    for key in ("mean_score", "trained_groups", "sequences", "sampled_tokens"):
+        assert a[key] == b[key], key
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    from safetensors.torch import load_file
+
+    wa = load_file(str(tmp_path / "whole" / "model" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "resumed" / "model" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_resume_from_a_folder_without_trainer_state_is_one_line(tiny_model_dir, tmp_path):
+    run = _cli("train", "--model-path", str(tiny_model_dir), "--steps", "1", "--resume", str(tmp_path),
+               "--eval-episodes", "0", "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert run.returncode != 0 and "trainer_state.pt" in run.stderr + run.stdout
+    assert "Traceback" not in run.stderr

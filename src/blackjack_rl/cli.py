@@ -228,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-project", help="also log metrics to Weights & Biases (pip install 'blackjack-rl[wandb]')")
     _add_ray(p, serve=True)
 
+    p = sub.add_parser("grid", help="exact strategy chart of a policy, from its probabilities (no sampling)",
+                       description="Read the policy's P(hit) among its valid calls in each of the 280 chart states "
+                                   "(hard 4-21, soft 12-21, dealer A-10) from its logprobs of the two calls, then "
+                                   "compute exactly the expected return of that policy, its decision accuracy "
+                                   "weighted by its own visits, and its regret. Writes OUT/grid.json and OUT/grid.html.")
+    _add_play(p)
+
     p = sub.add_parser("compare", help="compare evaluation runs deal by deal",
                        description="Compare evaluation runs (folders written by `evaluate`) against the first one. "
                                    "All runs play the same fixed deals, so differences are paired by seed, with 95% "
@@ -332,6 +339,38 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     return 0 if metrics["episodes_failed"] == 0 else 3
 
 
+def _cmd_grid(args: argparse.Namespace, console: Console) -> int:
+    import time
+    from pathlib import Path
+
+    from .grid import evaluate_grid
+    from .probe import probe_policy
+    from .report.gridpage import write_grid_page
+
+    settings = settings_from_args(args)
+
+    async def job(player):
+        t0 = time.perf_counter()
+        probe = await probe_policy(player)
+        return player, probe, time.perf_counter() - t0
+
+    player, probe, seconds = _with_player(settings, job)
+    g = evaluate_grid(player.solution, probe.p_hit)
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"policy": player.policy.generation_params(), "temperature": probe.temperature, "seconds": seconds,
+            "p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None}
+    tmp = out / "grid.json.tmp"
+    tmp.write_text(json.dumps({**g.to_dict(), **meta}, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(out / "grid.json")
+    page = write_grid_page(out / "grid.html", f"Strategy chart of {player.policy.name}", g, player.solution, meta)
+    console.print(f"exact value {g.value:+.4f} (optimal {g.optimal_value:+.4f}, regret {g.regret:.4f}); "
+                  f"accuracy {100 * g.accuracy:.1f}% by visits, {100 * g.cell_accuracy:.1f}% by cell; "
+                  f"P(hit) {g.p_hit_hit_optimal:.2f} where hit is optimal, {g.p_hit_stick_optimal:.2f} where stick is "
+                  f"({seconds:.1f}s). Chart in [bold]{page}[/bold]")
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from .compare import compare_runs
     from .report.comparison import write_comparison
@@ -422,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                             format="%(levelname)s %(name)s: %(message)s")
         console = Console(stderr=False)
         handlers = {"solve": _cmd_solve, "process": _cmd_process, "evaluate": _cmd_evaluate, "serve": _cmd_serve,
-                    "compare": _cmd_compare, "train": _cmd_train}
+                    "compare": _cmd_compare, "train": _cmd_train, "grid": _cmd_grid}
         return handlers[args.command](args, console)
     except (ValueError, OSError, ImportError, sqlite3.Error, ClusterError, *ApiError) as exc:  # ValidationError is a ValueError
         # plain print: rich would wrap a long message over several lines and read [..] as markup

@@ -7,6 +7,7 @@ Everything a run leaves is in `--out`:
     eval/step_NNNN.json  the full `evaluate` metrics of each evaluation
     checkpoints/         every --save-every steps (LoRA: the adapter only)
     model/               the final model: safetensors + tokenizer (`--policy hf --model-path`)
+    adapter/             LoRA runs: the adapter alone (`--policy hf --model-path OUT/adapter`)
     curves.png           the curves
 """
 
@@ -32,7 +33,7 @@ from ..protocol import STICK, tool_call_text
 from .forward import causal_lm
 from .grpo import LossConfig, carries_signal, group_loss, scalar_advantages, token_logprobs
 from .metrics import batch_metrics, eval_summary
-from .model import add_lora, export_model
+from .model import add_lora, export_model, save_adapter
 from .plot import plot_log
 from .policy import TorchPolicy
 from .sources import ApiSource, GroupSource, LocalSource
@@ -44,6 +45,7 @@ class TrainResult:
     steps: int
     evals: list[dict[str, Any]] = field(default_factory=list)
     model_dir: Path | None = None
+    adapter_dir: Path | None = None  # LoRA runs: the adapter alone, a few MB
     plot: Path | None = None
     stopped: str = "steps"  # "steps" or "time"
 
@@ -397,6 +399,8 @@ def run_training(
             source.close()
         evaluate(result.steps)
     result.model_dir = export_model(model, policy.tokenizer, out / "model")
+    if hasattr(model, "peft_config"):
+        result.adapter_dir = save_adapter(model, policy.tokenizer, out / "adapter", settings.policy.model_path)
     result.plot = plot_log(
         log_path,
         out / "curves.png",

@@ -93,6 +93,8 @@ def load_model(path: str | Path | None = None) -> tuple[Any, HFTokenizer]:
         with tempfile.TemporaryDirectory() as tmp:
             tokenizer = HFTokenizer(str(build_hf_tokenizer(path, tmp)))
         _save_converted(model, tokenizer, cached)
+    elif path.is_dir() and (path / "adapter_config.json").is_file():
+        return load_adapter(path)
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: pass a GGUF file or a folder saved by `blackjack-rl train`")
@@ -105,6 +107,31 @@ def load_model(path: str | Path | None = None) -> tuple[Any, HFTokenizer]:
     check_architecture(model)
     tokenizer.name = path.name
     return model, tokenizer
+
+
+def load_adapter(path: Path) -> tuple[Any, HFTokenizer]:
+    """A LoRA adapter folder saved by `train --lora` (OUT/adapter): its base model, named in
+    `base_model.txt` (empty: the embedded GGUF), with the adapter folded in."""
+    try:
+        from peft import PeftModel
+    except ImportError as exc:
+        raise ImportError("a LoRA adapter needs peft: pip install 'blackjack-rl[train]'") from exc
+    base_file = path / "base_model.txt"
+    base = base_file.read_text(encoding="utf-8").strip() if base_file.is_file() else ""
+    model, tokenizer = load_model(base or None)
+    model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+    model.eval()
+    tokenizer.name = path.name
+    return model, tokenizer
+
+
+def save_adapter(model: Any, tokenizer: HFTokenizer, out_dir: str | Path, base: str | None) -> Path:
+    """The LoRA adapter alone (a few MB), loadable by `--policy hf --model-path OUT_DIR`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    (out / "base_model.txt").write_text((base or "") + "\n", encoding="utf-8")
+    return out
 
 
 # End-of-generation markers llama.cpp also stops on, when a vocabulary has them as special tokens.
