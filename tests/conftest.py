@@ -86,3 +86,12 @@ def llama_server(gguf_path):
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A two-node Ray cluster on 127.0.0.1 (tests/ray_cluster.py), one per session; needs the ray extra."""
+    from ray_cluster import running_cluster
+
+    with running_cluster() as cluster:
+        yield cluster

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_cluster import popen_cli, ray, ray_cluster  # noqa: F401  (ray_cluster is a fixture)
+from ray_cluster import popen_cli, ray
 from blackjack_rl.api.client import TrainerClient
 from blackjack_rl.cluster.workers import actor_name
 from conftest_api import ATROPOS_REGISTRATION, ServerProcess

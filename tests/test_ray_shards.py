@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_cluster import NODE, cli, popen_cli, ray, ray_cluster  # noqa: F401  (ray_cluster is a fixture)
+from ray_cluster import NODE, cli, popen_cli, ray
 from blackjack_rl.cli import main
 from mock_openai_server import MockServer, blackjack_answers, write_config
 
