@@ -90,7 +90,7 @@ def llama_server(gguf_path):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A two-node Ray cluster on 127.0.0.1 (tests/ray_cluster.py), one per session; needs the ray extra."""
+    """A two-node Ray cluster on this machine (tests/ray_cluster.py), one per session; needs the ray extra."""
     from ray_cluster import running_cluster
 
     with running_cluster() as cluster:
