@@ -270,3 +270,45 @@ def test_grid_of_the_model_agrees_with_a_monte_carlo_of_its_policy(embedded, voc
     assert probe.p_hit[k] == pytest.approx(1 / (1 + math.exp(sum(stick) - sum(hit))), abs=1e-4)
     mean, se = _monte_carlo(probe.p_hit, vocab_chat, solution, 30_000)
     assert abs(mean - g.value) < 3.5 * se, (mean, se, g.value)
+
+
+# --------------------------------------------------------------------------- a trained adapter in llama.cpp
+
+
+@pytest.mark.embedded
+@pytest.mark.slow
+def test_a_peft_adapter_plays_the_same_in_llama_cpp(tmp_path, gguf_path):
+    """A LoRA adapter trained in torch, converted to a GGUF adapter, moves llama.cpp's
+    quantized model the way it moves the torch model."""
+    torch = pytest.importorskip("torch", reason="needs the train extra")
+    from blackjack_rl.policies.embedded import EmbeddedPolicy
+    from blackjack_rl.train.model import add_lora, load_model, save_adapter
+    from blackjack_rl.train.policy import TorchPolicy
+
+    model, tokenizer = load_model(None)
+    base = TorchPolicy(model, tokenizer, threads=1)
+    prompt = base.chat.prompt_ids(opening_messages(Observation(13, 3, False)))
+    answers = [base.chat.answer_ids(tool_call_text(a)) for a in (HIT, STICK)]
+    before = run(base.answer_logprobs(prompt, answers, 1.0))
+    torch.manual_seed(0)
+    lora = add_lora(model, 8, 16.0, layers=list(range(26, 30)))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.08)
+    save_adapter(lora, tokenizer, tmp_path / "adapter", None)
+    trained = TorchPolicy(lora, tokenizer, threads=1)
+    after = run(trained.answer_logprobs(prompt, answers, 1.0))
+
+    plain = EmbeddedPolicy(gguf_path, n_threads=1, n_ctx=1024)
+    adapted = EmbeddedPolicy(gguf_path, n_threads=1, n_ctx=1024, lora_path=tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter.gguf").is_file()
+    q_before = run(plain.answer_logprobs(prompt, answers))
+    q_after = run(adapted.answer_logprobs(prompt, answers))
+    torch_shift = [sum(a) - sum(b) for a, b in zip(after, before)]
+    llama_shift = [sum(a) - sum(b) for a, b in zip(q_after, q_before)]
+    assert max(abs(x) for x in torch_shift) > 0.5  # the adapter does move the model
+    for t, q in zip(torch_shift, llama_shift):
+        assert abs(t - q) < 0.25 * max(abs(t), 0.5), (torch_shift, llama_shift)
+    run(plain.aclose())
+    run(adapted.aclose())

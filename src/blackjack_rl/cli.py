@@ -39,6 +39,7 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "structured_output": ("policy", "structured_output"),
     "threshold": ("policy", "threshold"),
     "threads": ("policy", "n_threads"),
+    "lora": ("policy", "lora"),
     "server": ("policy", "servers"),
     "server_api": ("policy", "server_api"),
     "token_path": ("policy", "token_path"),
@@ -127,6 +128,9 @@ def _add_play(p: argparse.ArgumentParser) -> None:
                         "llama-server; json_object: llama-cpp-python's server; structured_outputs / guided_json: "
                         "vLLM new / old; tool_choice: a forced tool call)")
     g.add_argument("--threshold", type=int, help="the threshold bot hits below this sum (default 17)")
+    g.add_argument("--lora", metavar="PATH",
+                   help="embedded: apply a LoRA adapter (a GGUF adapter, or a folder saved by `train --lora`; "
+                        "e.g. the committed docs/training/adapter)")
     g.add_argument("--threads", type=int, help="llama.cpp threads (default: one per core that other processes "
                                                 "leave free, revisited as the load changes)")
     g = p.add_argument_group("episodes")

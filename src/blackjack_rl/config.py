@@ -81,6 +81,8 @@ class PolicyConfig(_Section):
     )
     threshold: int = Field(17, ge=2, le=22, description="the threshold bot hits below this sum")
     n_threads: int | None = Field(None, ge=1)
+    lora: str | None = Field(None, description="embedded: a LoRA adapter llama.cpp applies to the GGUF (a .gguf "
+                                              "adapter, or a folder saved by `train --lora`, converted on load)")
     n_ctx: int | None = Field(None, ge=256, description="llama.cpp context (default: the episode token budget)")
     servers: list[ServerConfig] = Field(
         default_factory=list, description="a pool of servers (--server URL[,WEIGHT], repeatable); replaces base_url"

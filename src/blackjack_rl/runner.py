@@ -24,6 +24,9 @@ from .tokens import ChatFormat, HFTokenizer, LlamaCppTokenizer, embedded_model_p
 def build_player(settings: Settings) -> Player:
     p = settings.policy
     e = settings.episode
+    if p.lora and p.kind != "embedded":
+        raise ValueError("--lora applies an adapter to the embedded llama.cpp model; for --policy hf pass the "
+                         "adapter folder as --model-path")
     solution = solve(settings.game.rules)
     # Thinking turns get the reasoning budget on top of the answer's.
     max_new = p.max_tokens + (e.think_budget if e.thinking else 0)
@@ -47,6 +50,7 @@ def build_player(settings: Settings) -> Player:
             max_tokens=max_new,
             n_ctx=p.n_ctx or settings.episode.max_token_length,
             n_threads=p.n_threads,
+            lora_path=p.lora,
             constrained=p.constrained,
         )
         chat = policy.chat

@@ -45,6 +45,7 @@ class EmbeddedPolicy:
         n_ctx: int = 2048,
         n_threads: int | None = None,
         constrained: bool = False,
+        lora_path: str | Path | None = None,
     ) -> None:
         from llama_cpp import Llama
 
@@ -59,10 +60,12 @@ class EmbeddedPolicy:
             n_ctx=n_ctx,
             n_threads=n_threads or usable_cpus(),
             n_threads_batch=n_threads or usable_cpus(),
+            lora_path=str(_gguf_adapter(Path(lora_path), self.model_path)) if lora_path else None,
             logits_all=True,  # logprobs of sampled tokens need the logits of every position
             verbose=False,
         )
-        self.name = self.model_path.stem
+        self.lora = Path(lora_path) if lora_path else None
+        self.name = self.model_path.stem + (f"+{self.lora.name}" if self.lora else "")
         self.tokenizer = LlamaCppTokenizer(self.llama, self.model_path.name)
         self.chat = ChatFormat.learn(self.tokenizer)
         self._pieces: dict[int, str] = {}
@@ -79,6 +82,7 @@ class EmbeddedPolicy:
         return {
             "policy": "embedded",
             "model": self.model_path.name,
+            "lora": str(self.lora) if self.lora else None,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -289,6 +293,24 @@ class EmbeddedPolicy:
     async def aclose(self) -> None:
         self._worker.shutdown(wait=True)
         self.llama.close()
+
+
+def _gguf_adapter(path: Path, model_path: Path) -> Path:
+    """A GGUF adapter for llama.cpp: the file itself, or a peft adapter folder converted once
+    (kept beside it as adapter.gguf)."""
+    if path.is_file():
+        return path
+    if not (path / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"no LoRA adapter at {path}: pass a .gguf adapter or a folder saved by `train --lora`")
+    converted = path / "adapter.gguf"
+    source = path / "adapter_model.safetensors"
+    if not converted.is_file() or converted.stat().st_mtime < source.stat().st_mtime:
+        try:
+            from ..train.gguf_lora import export_gguf_lora
+        except ImportError as exc:
+            raise ImportError("converting a peft adapter needs the train extra: pip install 'blackjack-rl[train]'") from exc
+        export_gguf_lora(path, converted, model_path)
+    return converted
 
 
 def _common_prefix(cached: np.ndarray, ids: list[int]) -> int:
