@@ -87,7 +87,7 @@ def _add_rules(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sab", action="store_true", default=None, help="Sutton & Barto rules (override --natural)")
 
 
-def _add_play(p: argparse.ArgumentParser) -> None:
+def _add_play(p: argparse.ArgumentParser, adapter: bool = True) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML settings file (flags and BLACKJACK_RL_* env vars override it)")
     p.add_argument("--out", metavar="DIR", help="output folder (default runs/latest)")
     p.add_argument("--seed", type=int, help="base seed (default 0)")
@@ -128,9 +128,10 @@ def _add_play(p: argparse.ArgumentParser) -> None:
                         "llama-server; json_object: llama-cpp-python's server; structured_outputs / guided_json: "
                         "vLLM new / old; tool_choice: a forced tool call)")
     g.add_argument("--threshold", type=int, help="the threshold bot hits below this sum (default 17)")
-    g.add_argument("--lora", metavar="PATH",
-                   help="embedded: apply a LoRA adapter (a GGUF adapter, or a folder saved by `train --lora`; "
-                        "e.g. the committed docs/training/adapter)")
+    if adapter:  # `train --lora` means "train LoRA adapters"
+        g.add_argument("--lora", metavar="PATH",
+                       help="embedded: apply a LoRA adapter (a GGUF adapter, or a folder saved by `train --lora`; "
+                            "e.g. the committed docs/training/adapter)")
     g.add_argument("--threads", type=int, help="llama.cpp threads (default: one per core that other processes "
                                                 "leave free, revisited as the load changes)")
     g = p.add_argument_group("episodes")
@@ -205,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_play(p)
     p.add_argument("--episodes", type=int, help="evaluation deals (default 1000)")
     p.add_argument("--no-samples", action="store_true", help="do not write samples.jsonl")
+    p.add_argument("--grid", action="store_true",
+                   help="also the exact strategy chart: P(hit) in all 280 states from the policy's probabilities, "
+                        "its exact expected return, accuracy and regret (embedded, hf and bots; in metrics.json "
+                        "and report.html)")
     _add_ray(p)
 
     p = sub.add_parser("serve", help="feed the trajectory API as an environment worker",
@@ -270,6 +275,8 @@ def settings_from_args(args: argparse.Namespace):
         overrides.setdefault("evaluate", {})["concurrency"] = concurrency
     if getattr(args, "no_samples", False):
         overrides.setdefault("evaluate", {})["samples"] = False
+    if getattr(args, "grid", False):
+        overrides.setdefault("evaluate", {})["grid"] = True
     return load_settings(getattr(args, "config", None), overrides)
 
 

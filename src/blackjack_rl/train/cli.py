@@ -15,7 +15,7 @@ _TRAIN_FLAGS = (
 )
 
 
-def add_train_parser(sub: Any, add_play: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_train_parser(sub: Any, add_play: Callable[..., None]) -> None:
     p = sub.add_parser(
         "train",
         help="GRPO-train the model (torch, CPU is enough) and measure it on the evaluation deals",
@@ -25,7 +25,7 @@ def add_train_parser(sub: Any, add_play: Callable[[argparse.ArgumentParser], Non
         "OUT/eval/, OUT/model/ (safetensors + tokenizer: evaluate it with --policy hf --model-path OUT/model). "
         "Needs the train extra: pip install 'blackjack-rl[train]'.",
     )
-    add_play(p)
+    add_play(p, adapter=False)
     g = p.add_argument_group("groups")
     g.add_argument("--group-size", type=int, help="answers per group (default 16)")
     g.add_argument("--group-by", choices=["episode", "step"],
