@@ -138,6 +138,7 @@ class EvalConfig(_Section):
     episodes: int = Field(1000, ge=1)
     concurrency: int = Field(64, ge=1)
     samples: bool = Field(True, description="write every episode to samples.jsonl")
+    grid: bool = Field(False, description="also the exact strategy chart from the policy's probabilities (grid.py)")
 
 
 class ProcessConfig(_Section):

@@ -72,3 +72,20 @@ def _parameters(fn: Any) -> set[str]:
     import inspect
 
     return set(inspect.signature(fn).parameters)
+
+
+async def exact_grid(player: Player) -> dict[str, Any]:
+    """The exact chart numbers of a policy, as recorded in metrics.json (`evaluate --grid`)."""
+    import time
+
+    from .grid import evaluate_grid
+
+    t0 = time.perf_counter()
+    probe = await probe_policy(player)
+    g = evaluate_grid(player.solution, probe.p_hit)
+    return {
+        **g.to_dict(),
+        "temperature": probe.temperature,
+        "p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None,
+        "seconds": time.perf_counter() - t0,
+    }

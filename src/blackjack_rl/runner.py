@@ -222,6 +222,10 @@ async def run_evaluate(settings: Settings, player: Player, progress: bool = True
     metrics = compute_metrics(episodes, player)
     metrics["seconds"] = seconds
     metrics["episodes_per_second"] = len(episodes) / seconds if seconds > 0 else None
+    if settings.evaluate.grid:
+        from .probe import exact_grid
+
+        metrics["grid"] = await exact_grid(player)
     try:
         metrics_text = json.dumps(metrics, indent=2, allow_nan=False) + "\n"
     except ValueError:

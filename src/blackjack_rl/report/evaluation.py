@@ -96,7 +96,20 @@ def report_context(metrics: dict[str, Any], rows: list[dict[str, Any]], solution
         "episodes_json": {"system": system_prompts, "episodes": browsable},
         "sample_size": len(browsable),
         "n": n,
+        **_grid_context(metrics, solution),
     }
+
+
+def _grid_context(metrics: dict[str, Any], solution: Solution) -> dict[str, Any]:
+    """The exact chart, when `evaluate --grid` measured it."""
+    from ..solver import DEALER_CARDS
+    from .gridpage import grid_rows
+
+    g = metrics.get("grid")
+    if not g:
+        return {"grid": None}
+    return {"grid": g, "grid_rows": grid_rows(g, solution),
+            "grid_dealers": ["A" if d == 1 else str(d) for d in DEALER_CARDS]}
 
 
 def render_report(metrics: dict[str, Any], rows: Iterable[dict[str, Any]], solution: Solution | None = None) -> str:
