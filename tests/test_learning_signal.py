@@ -312,3 +312,43 @@ def test_a_peft_adapter_plays_the_same_in_llama_cpp(tmp_path, gguf_path):
         assert abs(t - q) < 0.25 * max(abs(t), 0.5), (torch_shift, llama_shift)
     run(plain.aclose())
     run(adapted.aclose())
+
+
+def _cli(*args, cwd):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "blackjack_rl.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_grid_command_writes_the_exact_numbers_and_a_chart(tmp_path):
+    import json
+
+    run_ = _cli("grid", "--policy", "threshold", "--threshold", "17", "--out", str(tmp_path / "g"), cwd=tmp_path)
+    assert run_.returncode == 0, run_.stdout + run_.stderr
+    g = json.loads((tmp_path / "g" / "grid.json").read_text())
+    exact = policy_outcome(Rules(), lambda s, d, u, n: float(s < 17)).value
+    assert abs(g["value"] - exact) < 1e-12
+    assert len(g["p_hit"]) == 28 and all(len(r) == 10 for r in g["p_hit"])
+    page = (tmp_path / "g" / "grid.html").read_text()
+    assert "hard 16" in page and "soft 18" in page
+    bad = _cli("grid", "--policy", "openai", "--model", "m", "--base-url", "http://127.0.0.1:9/v1",
+               "--tokenizer", "nonexistent-dir", "--out", str(tmp_path / "x"), cwd=tmp_path)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+
+
+def test_evaluate_grid_puts_the_chart_in_metrics_and_report(tmp_path):
+    import json
+
+    run_ = _cli("evaluate", "--policy", "optimal", "--episodes", "50", "--grid", "--quiet",
+                "--out", str(tmp_path / "e"), cwd=tmp_path)
+    assert run_.returncode == 0, run_.stdout + run_.stderr
+    metrics = json.loads((tmp_path / "e" / "metrics.json").read_text())
+    assert metrics["grid"]["accuracy"] == 1.0
+    assert abs(metrics["grid"]["value"] - baselines(Rules())["optimal"].value) < 1e-12
+    assert "Exact strategy" in (tmp_path / "e" / "report.html").read_text()
