@@ -16,6 +16,38 @@ def read_log(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return [r for r in steps if r.get("kind") == "step"], evals
 
 
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _grid_panels(axes: Any, grid: list[dict[str, Any]], steps: list[dict[str, Any]]) -> None:
+    """The exact strategy chart over training: accuracy and value, and the hit gap whose
+    shrinking is what collapse to one constant action looks like."""
+    xs = [r["step"] for r in grid]
+    left, right = axes
+    left.plot(xs, [r["grid_accuracy"] for r in grid], "o-", color="tab:green", label="accuracy (by visits)")
+    left.set_ylim(0, 1)
+    twin = left.twinx()
+    twin.plot(xs, [r["grid_value"] for r in grid], "s-", color="tab:purple", label="expected return")
+    twin.axhline(-0.0466, color="gray", linestyle="--", linewidth=1, label="optimal")
+    twin.axhline(-0.1864, color="gray", linestyle=":", linewidth=1, label="always stick")
+    left.set_title("exact strategy chart (no sampling)", fontsize=10)
+    left.legend(loc="upper left", fontsize=8)
+    twin.legend(loc="lower right", fontsize=8)
+    left.grid(alpha=0.3)
+    right.plot(xs, [r["grid_p_hit_hit_optimal"] for r in grid], "o-", color="tab:red",
+               label="P(hit) where hit is optimal")
+    right.plot(xs, [r["grid_p_hit_stick_optimal"] for r in grid], "o-", color="tab:blue",
+               label="P(hit) where stick is optimal")
+    alarms = [r["step"] for r in grid if r.get("collapse_alarm")]
+    for a in alarms:
+        right.axvline(a, color="black", alpha=0.3, linewidth=1)
+    right.set_ylim(0, 1)
+    right.set_title("hit probability by optimal action (a shrinking gap: collapse)", fontsize=10)
+    right.legend(fontsize=8)
+    right.grid(alpha=0.3)
+
+
 def _rolling(values: list[float | None], window: int) -> list[float | None]:
     out = []
     for i in range(len(values)):
@@ -31,7 +63,8 @@ def plot_log(log_path: Path, png_path: Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     steps, evals = read_log(log_path)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+    grid = [r for r in _rows(log_path) if r.get("grid_accuracy") is not None]
+    fig, axes = plt.subplots(3 if grid else 2, 2, figsize=(11, 11 if grid else 7.5), sharex=True)
     panels = [
         ("mean_score", None, "mean training score"),
         ("valid_call_rate", "valid_decisions", "valid tool calls (share of answers)"),
@@ -40,7 +73,7 @@ def plot_log(log_path: Path, png_path: Path, title: str = "") -> Path:
     ]
     xs = [r["step"] for r in steps]
     window = max(1, len(steps) // 10)
-    for ax, (train_key, eval_key, label) in zip(axes.flat, panels):
+    for ax, (train_key, eval_key, label) in zip(axes.flat[:4], panels):
         ys = [r.get(train_key) for r in steps]
         if any(y is not None for y in ys):
             ax.plot(xs, [y if y is not None else float("nan") for y in ys], ".", color="tab:blue", alpha=0.35,
@@ -64,7 +97,9 @@ def plot_log(log_path: Path, png_path: Path, title: str = "") -> Path:
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in axes[1]:
+    if grid:
+        _grid_panels(axes[2], grid, steps)
+    for ax in axes[-1]:
         ax.set_xlabel("optimizer step")
     if title:
         fig.suptitle(title, fontsize=11)
