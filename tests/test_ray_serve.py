@@ -72,6 +72,10 @@ def test_serve_actors_survive_a_killed_actor_with_no_group_lost_or_duplicated(ra
         output, _ = run.communicate(timeout=180)
         assert run.returncode == 0, output
         assert "(1 restarts)" in output
+        # the restarted worker took over its registration instead of leaving a second one behind
+        registrations = [r["env_id"] for r in rows(out / "w-0") if r["kind"] == "registered"]
+        assert len(registrations) == 2 and len(set(registrations)) == 1, registrations
+        assert {r["env_id"] for r in rows(out / "w-1") if r["kind"] == "registered"}.isdisjoint(registrations)
         for w in ("w-0", "w-1"):
             assert rows(out / w)[-1]["kind"] == "stopped", rows(out / w)[-3:]
             assert rows(out / w)[-1]["parked"] == 0

@@ -11,7 +11,9 @@ Why it looks like this:
   process, through a zero-CPU task pinned to that worker's node, and each one finishes
   its groups in flight, flushes its outbox and disconnects, exactly as a `serve` process does.
 - The driver restarts a worker whose actor or node died (up to `max_restarts` times per
-  worker, with a short backoff), and stops them all on one Ctrl-C or SIGTERM.
+  worker, after a backoff that doubles from 1 s to 30 s), and stops them all on one Ctrl-C
+  or SIGTERM. A worker that raises is reported, not restarted, except when it found its
+  outbox still held: its predecessor's process had not finished exiting, so it tries again.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..api.dblock import DatabaseInUse
 from ..config import Settings
 from ..serve import ServeStats
 from . import ClusterError, connected, node_failure_errors, task_error
 
 log = logging.getLogger(__name__)
 
-RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_S = 1.0  # doubling with each restart of the worker, up to MAX_BACKOFF_S
+MAX_BACKOFF_S = 30.0
 
 
 class ServeWorker:
@@ -183,7 +187,9 @@ class Supervisor:
             slot.handle = None
             return
         except self.ray.exceptions.RayTaskError as exc:
-            raise task_error(self.ray, exc, f"worker {slot.worker_id}") from None
+            if not isinstance(getattr(exc, "cause", None), DatabaseInUse):
+                raise task_error(self.ray, exc, f"worker {slot.worker_id}") from None
+            error = exc  # its predecessor's process still holds the outbox: it is about to exit, try again
         except failures as exc:
             error = exc
         with contextlib.suppress(Exception):
@@ -197,8 +203,9 @@ class Supervisor:
             raise ClusterError(f"worker {slot.worker_id} died {slot.restarts} times; giving up (last: {error})")
         log.warning("worker %s died (%s); restarting it (restart %d)", slot.worker_id, type(error).__name__,
                     slot.restarts)
-        await asyncio.sleep(RESTART_BACKOFF_S)
-        self._start(slot)
+        await asyncio.sleep(min(MAX_BACKOFF_S, RESTART_BACKOFF_S * 2 ** min(slot.restarts - 1, 8)))
+        if not self.stopping.is_set():
+            self._start(slot)
 
     def _totals(self) -> ClusterServeStats:
         totals, per_worker = ServeStats(), {}
