@@ -8,16 +8,25 @@ import json
 import logging
 import sqlite3
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-from pydantic_settings import SettingsError
-from rich.console import Console
-
-from .api.client import ApiRejected, ApiUnavailable
 from .cluster import ClusterError
 
-ApiError = (ApiRejected, ApiUnavailable)
+if TYPE_CHECKING:
+    from rich.console import Console
+
+# Heavy libraries (FastAPI, httpx, pydantic, transformers, torch, llama_cpp) are imported
+# by the handlers that use them, so `--help` and `solve` start fast (tests/test_startup.py).
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that are a user's error, shown as one line. Evaluated only when one is
+    raised: the API client's errors can only exist if a handler imported that client."""
+    errors: tuple[type[BaseException], ...] = (ValueError, OSError, ImportError, sqlite3.Error, ClusterError)
+    client = sys.modules.get("blackjack_rl.api.client")
+    if client is not None:
+        errors += (client.ApiRejected, client.ApiUnavailable)
+    return errors
 
 # flag -> (section, field); flags left unset keep YAML / environment / default values
 _OVERRIDES: dict[str, tuple[str | None, str]] = {
@@ -441,7 +450,8 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
 def user_error(exc: BaseException) -> str:
     """A user error in one line: each bad setting by its flag where it has one, and what is wrong."""
-    if isinstance(exc, ValidationError):
+    pydantic = sys.modules.get("pydantic")  # loaded by whatever raised a ValidationError
+    if pydantic is not None and isinstance(exc, pydantic.ValidationError):
         flags = {where: "--" + flag.replace("_", "-") for flag, where in _OVERRIDES.items()}
         parts = []
         for error in exc.errors(include_url=False):
@@ -450,7 +460,8 @@ def user_error(exc: BaseException) -> str:
             name = ".".join(loc) or "settings"
             parts.append(f"{name}{f' ({flag})' if flag else ''}: {error['msg']}")
         return "; ".join(parts)
-    if isinstance(exc, SettingsError):  # raised for environment variables only
+    settings_errors = sys.modules.get("pydantic_settings")
+    if settings_errors is not None and isinstance(exc, settings_errors.SettingsError):  # environment variables only
         return (f"{exc}: an environment variable for a list or mapping setting holds JSON, "
                 """e.g. BLACKJACK_RL_API_CORS_ORIGINS='["https://example.org"]'""")
     if isinstance(exc, sqlite3.OperationalError):  # cannot open, locked, read-only
@@ -470,11 +481,13 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                             format="%(levelname)s %(name)s: %(message)s")
+        from rich.console import Console
+
         console = Console(stderr=False)
         handlers = {"solve": _cmd_solve, "process": _cmd_process, "evaluate": _cmd_evaluate, "serve": _cmd_serve,
                     "compare": _cmd_compare, "train": _cmd_train, "grid": _cmd_grid}
         return handlers[args.command](args, console)
-    except (ValueError, OSError, ImportError, sqlite3.Error, ClusterError, *ApiError) as exc:  # ValidationError is a ValueError
+    except _user_errors() as exc:  # ValidationError is a ValueError
         # plain print: rich would wrap a long message over several lines and read [..] as markup
         print(f"error: {user_error(exc)}", file=sys.stderr)
         return 2
