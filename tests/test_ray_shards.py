@@ -97,3 +97,18 @@ def test_a_node_removed_mid_run_loses_no_deal_and_counts_none_twice(ray_cluster,
     assert main([*common, "--out", str(tmp_path / "local")]) == 0
     assert_same_evaluation(tmp_path / "local", tmp_path / "ray")
     assert metrics(tmp_path / "ray")["episodes_failed"] == 0
+
+
+def test_actors_that_cannot_load_their_policy_stop_the_run_with_one_error(ray_cluster, tmp_path):
+    """As when the model file is missing on the worker nodes: bounded retries, then the reason."""
+    import asyncio
+
+    from blackjack_rl.cluster import ClusterError
+    from blackjack_rl.cluster.shards import Shards
+    from blackjack_rl.config import load_settings
+
+    settings = load_settings(overrides={"policy": {"model_path": str(tmp_path / "missing.gguf")},
+                                        "out": str(tmp_path)})
+    shards = Shards(ray, settings, actors=2)
+    with pytest.raises(ClusterError, match="Ray actors of this run died.*missing.gguf"):
+        asyncio.run(asyncio.wait_for(shards.evaluate(10, lambda k: None), 240))

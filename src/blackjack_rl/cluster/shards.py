@@ -92,7 +92,7 @@ class Shards:
             payload["policy"]["n_threads"] = max(1, math.floor(cpus_per_actor))
         self._payload = payload
         self._remote = ray.remote(ShardPlayer)
-        self.retried = 0  # shard plays lost with their actor or node and played again
+        self._replaced = 0  # actors lost and started again, over the whole command
 
     # -- the two jobs ------------------------------------------------------------------
 
@@ -160,14 +160,13 @@ class Shards:
                             raise task_error(self.ray, exc, f"shard {index} ({method})") from None
                         except failures as exc:
                             attempts[index] += 1
-                            self.retried += 1
                             if attempts[index] >= MAX_ATTEMPTS:
                                 raise ClusterError(f"shard {index} was lost {attempts[index]} times with its Ray "
                                                    f"actor or node; last error: {exc}") from None
                             log.warning("shard %d lost with its actor (%s); playing it again elsewhere",
                                         index, type(exc).__name__)
                             todo.appendleft(index)
-                            self._replace(actors, actor)
+                            self._replace(actors, actor, exc)
                             continue
                         if index not in delivered:
                             delivered.add(index)
@@ -177,8 +176,8 @@ class Shards:
                         try:
                             fut.result()
                             actor.ready = None
-                        except failures:
-                            self._replace(actors, actor)
+                        except failures as exc:
+                            self._replace(actors, actor, exc)
                 if running or any(a.ready is None and not a.dead for a in actors):
                     last_placed = time.monotonic()
                 elif time.monotonic() - last_placed > PLACEMENT_TIMEOUT_S:
@@ -191,10 +190,17 @@ class Shards:
                 with contextlib.suppress(Exception):
                     self.ray.kill(actor.handle, no_restart=True)
 
-    def _replace(self, actors: list[_Actor], actor: _Actor) -> None:
+    def _replace(self, actors: list[_Actor], actor: _Actor, error: BaseException) -> None:
+        """Start another actor in place of a dead one; an actor that cannot even start (its policy
+        fails to load on that node) would otherwise be replaced forever."""
         if actor.dead:
             return
         actor.dead = True
+        self._replaced += 1
+        if self._replaced > MAX_ATTEMPTS * self.actors:
+            last = str(error).strip().splitlines()
+            raise ClusterError(f"{self._replaced} Ray actors of this run died; the last one: "
+                               f"{type(error).__name__}: {last[-1] if last else ''}")
         with contextlib.suppress(Exception):
             self.ray.kill(actor.handle, no_restart=True)
         actors[actors.index(actor)] = self._spawn()
