@@ -14,6 +14,7 @@ from blackjack_rl.policies.bots import OptimalBot, RandomBot, ThresholdBot
 from blackjack_rl.protocol import HIT, STICK, tool_call_text
 from blackjack_rl.stepgroups import play_step_groups
 from blackjack_rl.tokens import MASKED, trained_spans
+from scripted import Scripted
 
 
 def run(coro):
@@ -57,22 +58,6 @@ def test_scoring_mode_selects_the_training_score_and_bonus_rewards_format(vocab_
     settings = EpisodeSettings(scoring="expected", format_bonus=0.1)
     for ep in play_many(OptimalBot(solution), vocab_chat, solution, 20, settings):
         assert ep.score == ep.scores["expected"] == pytest.approx(ep.start_value + 0.1)
-
-
-class Scripted:
-    name = "scripted"
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def generation_params(self):
-        return {"policy": "scripted"}
-
-    async def respond(self, turn):
-        return Reply(text=self.fn(turn))
-
-    async def aclose(self):
-        pass
 
 
 def test_step_groups_score_each_answer_by_q_star(vocab_chat, solution):

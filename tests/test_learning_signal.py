@@ -21,28 +21,11 @@ from blackjack_rl.protocol import HIT, STICK, tool_call_text
 from blackjack_rl.solver import baselines, policy_outcome
 from blackjack_rl.stepgroups import play_step_groups
 from blackjack_rl.tokens import MASKED, trained_spans
+from scripted import Scripted
 
 
 def run(coro):
     return asyncio.run(coro)
-
-
-class Scripted:
-    """Answers chosen by a function of the turn: hit, stick and invalid answers on demand."""
-
-    name = "scripted"
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def generation_params(self):
-        return {"policy": "scripted"}
-
-    async def respond(self, turn):
-        return Reply(text=self.fn(turn))
-
-    async def aclose(self):
-        pass
 
 
 KINDS = [tool_call_text(HIT), tool_call_text(STICK), "I would rather not say"]
