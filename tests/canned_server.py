@@ -19,11 +19,12 @@ class CannedServer:
     def __init__(self, answer: Any, status: int = 200, delay_s: float = 0.0) -> None:
         self.answer, self.status, self.delay_s = answer, status, delay_s
         self.posts = 0
+        self.bodies: list[bytes] = []  # every POST body, in order
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                outer.bodies.append(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
                 outer.posts += 1
                 time.sleep(outer.delay_s)  # a slow model: keeps a run going while a test stops it
                 self._send(outer.status, outer.answer)

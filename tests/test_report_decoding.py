@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from blackjack_rl.episode import play_episode
@@ -20,6 +19,7 @@ from blackjack_rl.policies.openai_chat import (
 )
 from blackjack_rl.protocol import parse_action
 from blackjack_rl.report.modes import decoding_mode
+from canned_server import CannedServer, chat_answer
 
 CLI = [sys.executable, "-m", "blackjack_rl.cli"]
 
@@ -48,32 +48,27 @@ def test_the_only_answers_the_schema_allows_are_valid_calls():
 @pytest.mark.parametrize("mode", STRUCTURED_OUTPUT_MODES)
 def test_structured_output_reaches_the_server_and_is_reported(mode, solution, vocab_chat):
     """A stand-in for a GPU server (vLLM, a hosted API), checking each request as their docs describe it."""
-    seen = []
+    call = {"name": "take_action", "arguments": {"action": "stick"}}
+    if mode == "tool_choice":
+        message = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "take_action", "arguments": json.dumps(call["arguments"])}}]}
+    else:
+        message = {"role": "assistant", "content": json.dumps(call)}
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        seen.append(body)
+    with CannedServer(chat_answer(message)) as server:
+        policy = OpenAIChatPolicy(server.url, "m", structured_output=mode)
+
+        async def main():
+            try:
+                return await play_episode(Table(Rules()), policy, vocab_chat, solution, 7)
+            finally:
+                await policy.aclose()
+
+        ep = asyncio.run(asyncio.wait_for(main(), 60))
+    seen = [json.loads(body) for body in server.bodies]
+    for body in seen:
         for key, value in structured_output_fields(mode).items():
             assert body[key] == value
-        call = {"name": "take_action", "arguments": {"action": "stick"}}
-        if mode == "tool_choice":
-            message = {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "take_action", "arguments": json.dumps(call["arguments"])}}]}
-        else:
-            message = {"role": "assistant", "content": json.dumps(call)}
-        return httpx.Response(200, json={"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
-
-    policy = OpenAIChatPolicy("http://server.test/v1", "m", structured_output=mode)
-
-    async def main():
-        await policy._client.aclose()
-        policy._client = httpx.AsyncClient(base_url=policy.base_url, transport=httpx.MockTransport(handler))
-        try:
-            return await play_episode(Table(Rules()), policy, vocab_chat, solution, 7)
-        finally:
-            await policy.aclose()
-
-    ep = asyncio.run(main())
     assert seen and ep.status == "finished" and ep.decisions[0].action == 0
     params = policy.generation_params()
     assert params["constrained"] and params["structured_output"] == mode

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from datetime import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -54,8 +55,6 @@ class LlamaCppTokenizer:
     """A GGUF's own vocabulary and chat template, via llama.cpp (no Hugging Face download)."""
 
     def __init__(self, llama: Any, name: str) -> None:
-        import jinja2.sandbox
-
         self.llama = llama
         self.name = name
         meta = llama.metadata
@@ -65,12 +64,7 @@ class LlamaCppTokenizer:
         self.eos_token = _piece(llama, int(meta.get("tokenizer.ggml.eos_token_id", llama.token_eos())))
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
         self.bos_token = _piece(llama, int(bos_id)) if bos_id is not None else ""
-        # Hugging Face renders chat templates with these jinja settings; matching them
-        # makes our prompt ids equal to `apply_chat_template` for the same model.
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-        self._template = env.from_string(template)
+        self._template = ChatTemplate(template, {"bos_token": self.bos_token, "eos_token": self.eos_token})
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "LlamaCppTokenizer":
@@ -80,12 +74,7 @@ class LlamaCppTokenizer:
         return cls(llama, Path(path).name)
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
-        return self._template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-        )
+        return self._template.render(messages, add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return self.llama.tokenize(text.encode("utf-8"), add_bos=False, special=True)
@@ -102,35 +91,133 @@ def _raise_template_error(message: str) -> None:
     raise ValueError(f"chat template error: {message}")
 
 
-class HFTokenizer:
-    """A Hugging Face tokenizer, by hub name or local path, for server models."""
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def __init__(self, name_or_path: str) -> None:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as exc:  # pragma: no cover - transformers is a core dependency
-            raise ImportError("server models need transformers: pip install 'transformers>=4.45'") from exc
-        try:
-            self.tok = AutoTokenizer.from_pretrained(name_or_path)
-        except Exception as exc:
-            raise ValueError(
-                f"could not load the tokenizer {name_or_path!r} ({exc}). Pass --tokenizer with a hub "
-                "name or a local folder holding tokenizer.json / tokenizer_config.json."
-            ) from exc
-        if not getattr(self.tok, "chat_template", None):
-            raise ValueError(f"tokenizer {name_or_path!r} has no chat template; pick the instruct model's tokenizer")
-        self.name = name_or_path
-        self.eos_token = self.tok.eos_token or ""
+
+class ChatTemplate:
+    """A chat template rendered as Hugging Face's `apply_chat_template` renders it (the same jinja
+    settings, filters and globals, the special tokens as variables), without importing transformers."""
+
+    def __init__(self, source: str, special_tokens: dict[str, Any]) -> None:
+        import jinja2.ext
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=[jinja2.ext.loopcontrols])
+        env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
+        self._template = env.from_string(source)
+        self.special_tokens = special_tokens
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        return self._template.render(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                                     **self.special_tokens)
+
+
+# Tokenizer classes whose transformers tokenizer is tokenizer.json loaded as it is (no vocabulary
+# rebuilt, no text rewritten before encoding): for these the `tokenizers` library alone gives the same ids.
+_VERBATIM_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class _TokenizerFolder:
+    """A local tokenizer folder read with the `tokenizers` library and jinja2 only.
+
+    Importing transformers costs seconds (it brings torch along) and its per-call wrappers
+    cost more than the encoding; on the chat path that start-up is most of a short evaluation.
+    """
+
+    def __init__(self, backend: Any, template: ChatTemplate, eos_token: str) -> None:
+        self.backend, self.template, self.eos_token = backend, template, eos_token
+
+    @classmethod
+    def open(cls, name_or_path: str) -> "_TokenizerFolder | None":
+        """The folder's tokenizer, or None when only transformers is known to read it exactly."""
+        folder = Path(name_or_path)
+        files = folder / "tokenizer.json", folder / "tokenizer_config.json"
+        if not all(f.is_file() for f in files) or importlib.util.find_spec("tokenizers") is None:
+            return None
+        try:
+            config = json.loads(files[1].read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        template = config.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        special = {key: _token_text(config.get(key)) for key in _SPECIAL_KEYS if config.get(key) is not None}
+        if (
+            config.get("tokenizer_class") not in _VERBATIM_CLASSES
+            or not isinstance(template, str)
+            or config.get("clean_up_tokenization_spaces")  # decode would rewrite spaces
+            or not isinstance(special.get("eos_token"), str)
+            or not all(isinstance(v, str) for v in special.values())
+        ):
+            return None
+        extra = config.get("additional_special_tokens")
+        if extra:
+            special["additional_special_tokens"] = [_token_text(t) for t in extra]
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(files[0])), ChatTemplate(template, special), special["eos_token"])
+
+
+def _token_text(token: Any) -> Any:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer, by hub name or local path, for server models.
+
+    A local folder whose tokenizer.json transformers would load unchanged is read with the
+    `tokenizers` library directly (same ids, no transformers import); anything else, and
+    `.tok` (the trainer's transformers tokenizer), goes through transformers.
+    """
+
+    def __init__(self, name_or_path: str, *, via_transformers: bool = False) -> None:
+        self.name = name_or_path
+        self._tok: Any = None
+        self._folder = None if via_transformers else _TokenizerFolder.open(name_or_path)
+        if self._folder is not None:
+            self.eos_token = self._folder.eos_token
+            return
+        if not getattr(self.tok, "chat_template", None):
+            raise ValueError(f"tokenizer {name_or_path!r} has no chat template; pick the instruct model's tokenizer")
+        self.eos_token = self.tok.eos_token or ""
+
+    @property
+    def tok(self) -> Any:
+        """The transformers tokenizer, loaded on first use."""
+        if self._tok is None:
+            try:
+                from transformers import AutoTokenizer
+            except ImportError as exc:  # pragma: no cover - transformers is a core dependency
+                raise ImportError("server models need transformers: pip install 'transformers>=4.45'") from exc
+            try:
+                self._tok = AutoTokenizer.from_pretrained(self.name)
+            except Exception as exc:
+                raise ValueError(
+                    f"could not load the tokenizer {self.name!r} ({exc}). Pass --tokenizer with a hub "
+                    "name or a local folder holding tokenizer.json / tokenizer_config.json."
+                ) from exc
+        return self._tok
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        if self._folder is not None:
+            return self._folder.template.render(messages, add_generation_prompt)
         out = self.tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
         return out if isinstance(out, str) else str(out)
 
     def encode(self, text: str) -> list[int]:
+        if self._folder is not None:
+            return self._folder.backend.encode(text, add_special_tokens=False).ids
         out = self.tok(text, add_special_tokens=False)["input_ids"]
         return list(out)
 
     def decode(self, ids: Sequence[int]) -> str:
+        if self._folder is not None:
+            return self._folder.backend.decode(list(ids), skip_special_tokens=False)
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
 
