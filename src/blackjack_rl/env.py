@@ -198,9 +198,9 @@ class BlackjackEnv:
             raise RuntimeError("step() after the episode ended: call reset(seed) to deal a new hand")
         play, obs, natural = self.play, self.observation, self.natural
         parsed = parse_action(answer_text, tool_calls)
+        info = self._state_info()
         best = self.solution.best_action(obs, natural)
         text = answer_text if isinstance(answer_text, str) else ""
-        info = self._state_info()
         info["parse"] = {
             "valid": parsed.valid,
             "action": ACTION_NAMES.get(parsed.action) if parsed.action is not None else None,
