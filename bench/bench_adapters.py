@@ -31,15 +31,24 @@ def answer_for(env: BlackjackEnv) -> str:
     return tool_call_text(SOLUTION.best_action(env.observation, env.natural))
 
 
-def core(seeds: range) -> int:
-    env, steps = BlackjackEnv(SOLUTION), 0
+def play_all(seeds: range, reset: Callable[[int], BlackjackEnv], step: Callable[[str], bool]) -> int:
+    """Deal every seed with `reset` (which returns the env underneath) and answer optimally until `step` says done."""
+    steps = 0
     for seed in seeds:
-        env.reset(seed)
-        done = False
+        env, done = reset(seed), False
         while not done:
-            _, _, terminated, truncated, _ = env.step(answer_for(env))
-            done, steps = terminated or truncated, steps + 1
+            done, steps = step(answer_for(env)), steps + 1
     return steps
+
+
+def core(seeds: range) -> int:
+    env = BlackjackEnv(SOLUTION)
+
+    def step(answer: str) -> bool:
+        _, _, terminated, truncated, _ = env.step(answer)
+        return terminated or truncated
+
+    return play_all(seeds, lambda seed: env.reset(seed) and env, step)
 
 
 def episode_loop(seeds: range) -> int:
@@ -61,15 +70,13 @@ def gymnasium_adapter(seeds: range) -> int:
 
     import blackjack_rl.adapters  # noqa: F401
 
-    env, steps = gymnasium.make("blackjack_rl/BlackjackText-v0"), 0
-    inner = env.unwrapped.env
-    for seed in seeds:
-        env.reset(seed=seed)
-        done = False
-        while not done:
-            _, _, terminated, truncated, _ = env.step(answer_for(inner))
-            done, steps = terminated or truncated, steps + 1
-    return steps
+    env = gymnasium.make("blackjack_rl/BlackjackText-v0")
+
+    def step(answer: str) -> bool:
+        _, _, terminated, truncated, _ = env.step(answer)
+        return terminated or truncated
+
+    return play_all(seeds, lambda seed: env.reset(seed=seed) and env.unwrapped.env, step)
 
 
 def skyrl_adapter(seeds: range) -> int:
@@ -77,26 +84,22 @@ def skyrl_adapter(seeds: range) -> int:
 
     import blackjack_rl.adapters.skyrl_env  # noqa: F401
 
-    steps = 0
-    for seed in seeds:
-        env = skyrl_gym.make("blackjack_rl", env_config={}, extras={"seed": seed})  # SkyRL makes one per trajectory
-        env.init(None)
-        done = False
-        while not done:
-            done, steps = env.step(answer_for(env.env))["done"], steps + 1
-    return steps
+    current = []
+
+    def reset(seed: int) -> BlackjackEnv:
+        current[:] = [skyrl_gym.make("blackjack_rl", env_config={}, extras={"seed": seed})]  # one per trajectory
+        current[0].init(None)
+        return current[0].env
+
+    return play_all(seeds, reset, lambda answer: current[0].step(answer)["done"])
 
 
 def openenv_adapter(seeds: range) -> int:
     from blackjack_rl.adapters.openenv import BlackjackAction, BlackjackEnvironment
 
-    env, steps = BlackjackEnvironment(), 0
-    for seed in seeds:
-        env.reset(seed=seed)
-        done = False
-        while not done:
-            done, steps = env.step(BlackjackAction(answer=answer_for(env.env))).done, steps + 1
-    return steps
+    env = BlackjackEnvironment()
+    return play_all(seeds, lambda seed: env.reset(seed=seed) and env.env,
+                    lambda answer: env.step(BlackjackAction(answer=answer)).done)
 
 
 def trl_adapter(seeds: range) -> int:

@@ -62,6 +62,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_up(url: str, proc: subprocess.Popen, what: str, seconds: float = 60) -> None:
+    """Poll `url` until it answers 200; fail early, with its exit code, if `proc` dies first."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before answering")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} did not come up in {seconds:.0f} s")
+
+
 @pytest.fixture(scope="session")
 def llama_server(gguf_path):
     """llama-cpp-python's real OpenAI-compatible server on the embedded GGUF, model alias `smollm2`."""
@@ -73,15 +88,7 @@ def llama_server(gguf_path):
     )
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/models", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            raise RuntimeError("llama_cpp.server did not come up in 60 s")
+        wait_until_up(f"{url}/models", proc, "llama_cpp.server")
         yield url
     finally:
         proc.kill()

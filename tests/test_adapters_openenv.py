@@ -3,7 +3,6 @@
 import asyncio
 import subprocess
 import sys
-import time
 from importlib import resources
 
 import httpx
@@ -12,7 +11,7 @@ import yaml
 
 pytest.importorskip("openenv", reason="the openenv extra is not installed (pip install -e '.[openenv]')")
 
-from conftest import free_port  # noqa: E402
+from conftest import free_port, wait_until_up  # noqa: E402
 
 from blackjack_rl.adapters.openenv import BlackjackAction, BlackjackOpenEnvClient  # noqa: E402
 from blackjack_rl.env import BlackjackEnv  # noqa: E402
@@ -26,21 +25,11 @@ def server():
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "blackjack_rl.adapters.openenv", "--port", str(port), "--max-concurrent-envs", "8"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError(f"the OpenEnv server exited: {proc.stderr.read().decode()[-2000:]}")
-            time.sleep(0.2)
-        else:
-            raise RuntimeError("the OpenEnv server did not come up in 60 s")
+        wait_until_up(f"{url}/health", proc, "the OpenEnv server")
         yield url
     finally:
         proc.kill()
