@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import sqlite3
@@ -304,6 +303,8 @@ def _cmd_solve(args: argparse.Namespace, console: Console) -> int:
 
 def _with_player(settings, job):
     """Build the player the settings describe, run `job(player)`, and always close the policy."""
+    import asyncio
+
     from .runner import build_player
 
     player = build_player(settings)
