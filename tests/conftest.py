@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -77,22 +78,27 @@ def wait_until_up(url: str, proc: subprocess.Popen, what: str, seconds: float = 
     raise RuntimeError(f"{what} did not come up in {seconds:.0f} s")
 
 
+@contextlib.contextmanager
+def running_server(args: list[str], health_url: str, what: str):
+    """Run `python ARGS` until the block ends; it is up once `health_url` answers 200. Killed (by its own pid) after."""
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until_up(health_url, proc, what)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 @pytest.fixture(scope="session")
 def llama_server(gguf_path):
     """llama-cpp-python's real OpenAI-compatible server on the embedded GGUF, model alias `smollm2`."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1",
-         "--port", str(port), "--n_ctx", "2048", "--verbose", "False", "--model_alias", "smollm2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
     url = f"http://127.0.0.1:{port}/v1"
-    try:
-        wait_until_up(f"{url}/models", proc, "llama_cpp.server")
+    args = ["-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
+            "--n_ctx", "2048", "--verbose", "False", "--model_alias", "smollm2"]
+    with running_server(args, f"{url}/models", "llama_cpp.server"):
         yield url
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")

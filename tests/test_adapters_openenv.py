@@ -1,8 +1,6 @@
 """The OpenEnv server, driven by openenv-core's own client over 127.0.0.1."""
 
 import asyncio
-import subprocess
-import sys
 from importlib import resources
 
 import httpx
@@ -11,7 +9,7 @@ import yaml
 
 pytest.importorskip("openenv", reason="the openenv extra is not installed (pip install -e '.[openenv]')")
 
-from conftest import free_port, wait_until_up  # noqa: E402
+from conftest import free_port, running_server  # noqa: E402
 
 from blackjack_rl.adapters.openenv import BlackjackAction, BlackjackOpenEnvClient  # noqa: E402
 from blackjack_rl.env import BlackjackEnv  # noqa: E402
@@ -23,17 +21,10 @@ from blackjack_rl.game import Rules  # noqa: E402
 @pytest.fixture(scope="module")
 def server():
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "blackjack_rl.adapters.openenv", "--port", str(port), "--max-concurrent-envs", "8"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(f"{url}/health", proc, "the OpenEnv server")
+    args = ["-m", "blackjack_rl.adapters.openenv", "--port", str(port), "--max-concurrent-envs", "8"]
+    with running_server(args, f"{url}/health", "the OpenEnv server"):
         yield url
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 async def play(url, seed, answers, barrier):
