@@ -109,3 +109,40 @@ def test_a_worker_that_fails_by_itself_is_one_line_and_not_restarted(ray_cluster
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "worker lonely-0 failed" in errors[0], output
     assert "Traceback" not in output and "restarting" not in output
+
+
+def test_ctrl_c_drains_every_worker_of_a_local_ray_instance(tmp_path):
+    """`serve --ray` with no address starts Ray for itself; Ctrl-C reaches the whole process group
+    (the command, Ray's own processes, the workers) and every worker still drains."""
+    import os
+    import subprocess
+    import sys
+
+    from ray_cluster import SRC
+
+    api = ServerProcess(tmp_path / "api.sqlite").start()
+    out = tmp_path / "workers"
+    try:
+        trainer = TrainerClient(api.url)
+        trainer.register({**ATROPOS_REGISTRATION, "batch_size": 4})
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+        run = subprocess.Popen([sys.executable, "-m", "blackjack_rl.cli", "serve", "--ray", "--workers", "2",
+                                "--worker-id", "c", "--policy", "random", "--group-size", "4", "--api-url", api.url,
+                                "--out", str(out), "--steps-per-eval", "0", "--quiet"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+        try:
+            seen = Pulled()
+            assert keep_pulling_until(trainer, seen, lambda: all(logged_seeds(out / w) for w in ("c-0", "c-1")), 180)
+            os.killpg(run.pid, signal.SIGINT)
+            output, _ = run.communicate(timeout=180)
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait(timeout=30)
+    finally:
+        api.kill()
+    assert run.returncode == 0, output
+    assert "2 workers (0 restarts)" in output
+    for w in ("c-0", "c-1"):
+        assert rows(out / w)[-1]["kind"] == "stopped", rows(out / w)[-3:]
