@@ -64,6 +64,7 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "episodes": ("evaluate", "episodes"),
     "scoring": ("episode", "scoring"),
     "format_bonus": ("episode", "format_bonus"),
+    "invalid_retries": ("episode", "invalid_retries"),
     "thinking": ("episode", "thinking"),
     "think_budget": ("episode", "think_budget"),
     "group_by": ("groups", "group_by"),
@@ -151,6 +152,9 @@ def _add_play(p: argparse.ArgumentParser, adapter: bool = True) -> None:
                    help="outcome: the game reward (default); expected: V*(s0) minus each decision's regret "
                         "(same mean, far lower variance; both are always recorded)")
     g.add_argument("--format-bonus", type=float, help="bonus for well-formed answers (default 0)")
+    g.add_argument("--invalid-retries", type=int,
+                   help="re-prompt after an invalid answer, with the reason, up to N times before the episode "
+                        "forfeits (default 0: it forfeits at once)")
     g.add_argument("--thinking", action="store_true", default=None,
                    help="the model reasons in <think>...</think> before its call; older thoughts are cut to fit")
     g.add_argument("--think-budget", type=int, help="extra new tokens per turn for reasoning (default 192)")

@@ -112,6 +112,7 @@ class EpisodeConfig(_Section):
         "outcome", description="outcome: the game reward; expected: V*(s0) minus the regret of each decision"
     )
     format_bonus: float = Field(0.0, description="added for well-formed answers (share of valid answers)")
+    invalid_retries: int = Field(0, ge=0, le=16, description="re-prompts after an invalid answer before it forfeits")
     thinking: bool = Field(False, description="the model reasons in <think>...</think> before its call")
     think_budget: int = Field(192, ge=0, description="extra new tokens per turn for reasoning in thinking mode")
 

@@ -89,6 +89,7 @@ def build_player(settings: Settings) -> Player:
         thinking=e.thinking,
         scoring=e.scoring,
         format_bonus=e.format_bonus,
+        invalid_retries=e.invalid_retries,
     )
     return Player(policy, chat, solution, episode)
 
