@@ -32,13 +32,14 @@ def servers(tmp_path_factory, vocab_chat):
         s.kill()
 
 
-def play(servers, chat, solution, sticky: bool, failing: int | None = None, **pool_args):
+def play(servers, chat, solution, sticky: bool, fault: dict | None = None, **pool_args):
     for s in servers:
         s.control(reset=True)
         s.control(latency_ms=5)
-    if failing is not None:
-        servers[failing].control(status=500)
-    pool = ServerPool([ServerSpec(s.url) for s in servers], timeout=10.0, backoff_s=0.01, sticky=sticky, **pool_args)
+    if fault is not None:
+        servers[0].control(**fault)
+    pool_args.setdefault("timeout", 10.0)
+    pool = ServerPool([ServerSpec(s.url) for s in servers], backoff_s=0.01, sticky=sticky, **pool_args)
     policy = OpenAICompletionsPolicy(pool, "mock", chat, max_tokens=48, token_path="completions")
     player = Player(policy, chat, solution)
 
@@ -81,10 +82,11 @@ def test_without_stickiness_conversations_are_split(servers, vocab_chat, solutio
     assert split_conversations(servers) > 0
 
 
-def test_a_failing_server_moves_its_conversations_to_the_next_choice(servers, vocab_chat, solution):
+@pytest.mark.parametrize("fault, timeout", [({"status": 500}, 10.0), ({"hang": True}, 0.5)], ids=["500", "silent"])
+def test_a_failing_server_moves_its_conversations_to_the_next_choice(servers, vocab_chat, solution, fault, timeout):
     try:
-        groups, episodes, snapshot = play(servers, vocab_chat, solution, sticky=True, failing=0, retries=2,
-                                          quarantine_after=2, quarantine_s=60)
+        groups, episodes, snapshot = play(servers, vocab_chat, solution, sticky=True, fault=fault, retries=2,
+                                          quarantine_after=2, quarantine_s=60, timeout=timeout)
     finally:
         servers[0].control(reset=True)
     assert all(g.group is not None for g in groups) and not any(ep.failed for ep in episodes)
