@@ -3,10 +3,14 @@
 Everything here is pure (bytes and a context in, prepared groups or an ApiError out), so
 it can be tested without a server and run wherever the server likes.
 
-Validation costs one pass of pydantic-core (Rust) over the JSON plus C-speed list
-comparisons for the cross-field rules; no per-token Python loop runs for valid groups.
+Validation is one typed pass of msgspec (C) over the JSON, plus C-speed list comparisons
+for the cross-field rules; no per-token Python loop runs for valid groups. A body msgspec
+refuses, or one that needs more than checking (integers in float fields, NaN in free-form
+fields), is read again by pydantic-core, whose model is the authority for error messages and
+for re-encoding: the fast path only ever accepts what that model accepts.
 Storage avoids re-encoding where it can: a group that arrived as one gzip stream is stored
-as the client's own compressed bytes, so ingest costs a parse and a check, not a re-compress.
+as the client's own compressed bytes, and any other group as its own JSON text, so ingest
+costs a parse and a check, not a re-encode.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import pydantic_core
 from pydantic import TypeAdapter, ValidationError
 
 from .batching import divisors_text
 from .body import gunzip_limited
 from .errors import ApiError
-from .models import INTEGERS_SEEN, SCORED_DATA_FIELDS, ScoredGroup
+from .models import FLOAT_FIELDS, INTEGERS_SEEN, SCORED_DATA_FIELDS, FastScoredGroup, ScoredGroup, holds_int
 
 #: How a stored payload is encoded.
 FMT_ZLIB = 1  # zlib-compressed JSON object
@@ -33,6 +38,12 @@ FMT_GZIP_LIST1 = 3  # the client's gzip body, a JSON list holding one object
 #: Groups in one /scored_data_list post: queueing them is one transaction that other writers wait for.
 MAX_GROUPS_PER_POST = 4096
 _GROUP_LIST = TypeAdapter(list[ScoredGroup])
+_FAST_GROUP = msgspec.json.Decoder(FastScoredGroup)
+_RAW_LIST = msgspec.json.Decoder(list[msgspec.Raw])
+_RAW_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_ANY = msgspec.json.Decoder()
+_KNOWN_FIELDS = frozenset(SCORED_DATA_FIELDS)
+_LOOSE_FIELDS = ("messages", "generation_params", "overrides", "group_overrides", "images")
 _MASKED = -100
 _SHOWN_ERRORS = 4
 
@@ -76,22 +87,19 @@ def prepare_groups(
     text = raw
     if coding == "gzip":
         text, members = gunzip_limited(raw, max_bytes)
+    fast = _fast_parse(text, as_list)
+    if fast is not None:
+        _check_all([g for g, _, _ in fast], ctx, as_list)
+        if len(fast) == 1 and coding == "gzip" and members == 1:
+            group, _, suffix = fast[0]
+            fmt = FMT_GZIP_LIST1 if as_list else FMT_GZIP_OBJECT
+            return [PreparedGroup(group.env_id, len(group.tokens), fmt, raw, suffix)]
+        return [PreparedGroup(g.env_id, len(g.tokens), FMT_ZLIB, zlib.compress(own, 1), suffix)
+                for g, own, suffix in fast]
+
     seen: dict[str, bool] = {}
     groups = _parse(text, as_list, seen)
-    if len(groups) > MAX_GROUPS_PER_POST:
-        raise ApiError(
-            413,
-            f"this post holds {len(groups)} groups; send at most {MAX_GROUPS_PER_POST} per post "
-            "(each is a row written while other posts wait)",
-        )
-
-    for index, group in enumerate(groups):
-        try:
-            check_group(group, ctx)
-        except ApiError as exc:
-            if as_list:
-                exc.detail = f"group {index}: {exc.detail}"
-            raise
+    _check_all(groups, ctx, as_list)
 
     # Stored as sent only when sending it back unchanged is right: integers in float fields
     # become floats, NaN in unchecked fields becomes null, both by re-encoding.
@@ -125,7 +133,58 @@ def decode_payload(fmt: int, data: bytes, suffix: bytes = b"") -> bytes:
     return obj
 
 
+def _check_all(groups: Sequence[Any], ctx: IngestContext, as_list: bool) -> None:
+    if len(groups) > MAX_GROUPS_PER_POST:
+        raise ApiError(
+            413,
+            f"this post holds {len(groups)} groups; send at most {MAX_GROUPS_PER_POST} per post "
+            "(each is a row written while other posts wait)",
+        )
+    for index, group in enumerate(groups):
+        try:
+            check_group(group, ctx)
+        except ApiError as exc:
+            if as_list:
+                exc.detail = f"group {index}: {exc.detail}"
+            raise
+
+
 # --- parsing -----------------------------------------------------------------------------
+
+
+def _fast_parse(text: bytes, as_list: bool) -> list[tuple[FastScoredGroup, bytes, bytes]] | None:
+    """Each group, read by msgspec, with its own JSON text and the `,"key":null` pairs for the
+    Atropos fields that text leaves out; None sends the body to pydantic.
+
+    None whenever the pydantic path could answer differently: a body msgspec refuses (pydantic
+    then names the problem), JSON integers in float fields (re-encoded as floats), NaN or
+    infinity outside the checked fields (re-encoded as null), messages without role/content.
+    """
+    try:
+        texts = [bytes(r) for r in _RAW_LIST.decode(text)] if as_list else [text.strip()]
+        out = []
+        for own in texts:
+            group = _FAST_GROUP.decode(own)
+            fields = _RAW_FIELDS.decode(own)
+            if not _plain(group, fields):
+                return None
+            missing = [name for name in SCORED_DATA_FIELDS if name not in fields]
+            out.append((msgspec.structs.replace(group, **dict.fromkeys(missing)), own, _null_suffix(missing)))
+        return out
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _plain(group: FastScoredGroup, fields: dict[str, msgspec.Raw]) -> bool:
+    """Whether storing this group as sent is exactly what the pydantic path would do."""
+    if any(holds_int(getattr(group, name)) for name in FLOAT_FIELDS):
+        return False
+    messages = group.messages
+    if isinstance(messages, list) and not all("role" in m and "content" in m for c in messages for m in c):
+        return False
+    if any(_non_finite(getattr(group, name)) for name in _LOOSE_FIELDS):
+        return False
+    return not any(_non_finite(_ANY.decode(value)) for key, value in fields.items() if key not in _KNOWN_FIELDS)
 
 
 def _parse(text: bytes, as_list: bool, context: dict[str, bool]) -> Sequence[ScoredGroup]:
@@ -351,4 +410,9 @@ def _object_text(text: bytes, as_list: bool) -> bytes | None:
 
 def _missing_fields_suffix(group: ScoredGroup) -> bytes:
     present = group.model_fields_set
-    return b"".join(b',"%s":null' % name.encode() for name in SCORED_DATA_FIELDS if name not in present)
+    return _null_suffix(name for name in SCORED_DATA_FIELDS if name not in present)
+
+
+def _null_suffix(missing: Iterable[str]) -> bytes:
+    """`,"key":null` pairs that complete a stored group's JSON text with the fields it left out."""
+    return b"".join(b',"%s":null' % name.encode() for name in missing)

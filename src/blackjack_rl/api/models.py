@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # Token ids are non-negative and fit in int32 (every tokenizer we know of); a strict int
@@ -46,14 +47,14 @@ FLOAT_FIELDS: tuple[str, ...] = ("scores", "advantages", "ref_logprobs", "infere
 INTEGERS_SEEN = "integers_seen"
 
 
-def _holds_int(value: Any) -> bool:
+def holds_int(value: Any) -> bool:
     """Whether a (nested) list holds an int; `set(map(type, ...))` keeps the scan in C."""
     if not isinstance(value, list) or not value:
         return False
     kinds = set(map(type, value))
     if int in kinds:
         return True
-    return list in kinds and any(_holds_int(v) for v in value)
+    return list in kinds and any(holds_int(v) for v in value)
 
 
 class ScoredGroup(BaseModel):
@@ -89,7 +90,7 @@ class ScoredGroup(BaseModel):
         trainers get `1.0` (as Atropos serves it) and never build an integer tensor.
         """
         context = info.context
-        if isinstance(context, dict) and not context.get(INTEGERS_SEEN) and _holds_int(value):
+        if isinstance(context, dict) and not context.get(INTEGERS_SEEN) and holds_int(value):
             context[INTEGERS_SEEN] = True
         return value
 
@@ -103,6 +104,37 @@ class ScoredGroup(BaseModel):
                 if "role" not in message or "content" not in message:
                     raise ValueError(f"messages[{i}][{j}] needs both 'role' and 'content'")
         return value
+
+
+_MsTokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+_MsNumber = int | float  # ints kept apart: a group with JSON integers in float fields takes the pydantic path
+_Unset = msgspec.UnsetType
+
+
+class FastScoredGroup(msgspec.Struct, frozen=True):
+    """The fast first reading of a posted group (msgspec: one typed pass in C).
+
+    It accepts only what `ScoredGroup` accepts (strict ints, token ids in range, lists where
+    lists belong), and a field left out stays UNSET, so the missing ones are known. Anything it
+    refuses, or that needs more than checking (integers in float fields, NaN), is read again by
+    `ScoredGroup`, which stays the one authority for error messages and for re-encoding.
+    Unknown fields are skipped here; the group is stored as sent, so they are kept.
+    """
+
+    tokens: list[list[_MsTokenId]]
+    masks: list[list[int]]
+    scores: list[_MsNumber]
+    advantages: list[list[_MsNumber]] | None | _Unset = msgspec.UNSET
+    ref_logprobs: list[list[_MsNumber]] | None | _Unset = msgspec.UNSET
+    messages: list[list[dict[str, Any]]] | None | _Unset = msgspec.UNSET
+    generation_params: dict[str, Any] | None | _Unset = msgspec.UNSET
+    inference_logprobs: list[list[_MsNumber]] | None | _Unset = msgspec.UNSET
+    overrides: list[dict[str, Any]] | None | _Unset = msgspec.UNSET
+    group_overrides: dict[str, Any] | None | _Unset = msgspec.UNSET
+    images: Any = msgspec.UNSET
+    env_id: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None | _Unset = msgspec.UNSET
+    distill_token_ids: list[list[list[_MsTokenId]]] | None | _Unset = msgspec.UNSET
+    distill_logprobs: list[list[list[_MsNumber]]] | None | _Unset = msgspec.UNSET
 
 
 #: Bounds on every number a client chooses, so no request can make the server do work (or

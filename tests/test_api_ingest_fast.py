@@ -1,0 +1,156 @@
+"""The fast reading of posted groups (msgspec) accepts exactly what the pydantic model accepts,
+and stores what the pydantic path would have stored (the same JSON values, with their types).
+
+`ScoredGroup` (pydantic) is the reference: a body it refuses must be refused, and a body it
+accepts must be queued as `pydantic_core.to_json(ScoredGroup)` would write it, up to formatting.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import math
+
+import pydantic
+import pydantic_core
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blackjack_rl.api.errors import ApiError
+from blackjack_rl.api.ingest import IngestContext, check_group, decode_payload, prepare_groups
+from blackjack_rl.api.models import SCORED_DATA_FIELDS, ScoredGroup
+
+CTX = IngestContext(batch_size=8, max_token_len=4096, env_group_sizes={0: 4})
+
+
+def group(**changes):
+    g = {
+        "tokens": [[5, 6, 7, 8], [5, 6, 9, 10]],
+        "masks": [[-100, -100, 7, 8], [-100, -100, 9, 10]],
+        "scores": [1.0, -1.0],
+        "inference_logprobs": [[1.0, 1.0, -0.5, -0.25], [1.0, 1.0, -1e-05, -2.5]],
+        "messages": [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "hi"}]],
+        "env_id": 0,
+        "episodes": [{"seed": 3, "note": "unknown fields are kept"}, {"seed": 3}],
+    }
+    g.update(changes)
+    return {k: v for k, v in g.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+def _typed(value):
+    """A JSON value with its number types made visible (1 and 1.0 differ), NaN-safe."""
+    if isinstance(value, dict):
+        return {k: _typed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_typed(v) for v in value]
+    if isinstance(value, float) and math.isnan(value):
+        return ("float", "nan")
+    return (type(value).__name__, value)
+
+
+def _stored(body: bytes, coding: str, as_list: bool):
+    return [_typed(json.loads(decode_payload(g.fmt, g.data, g.suffix)))
+            for g in prepare_groups(body, coding, CTX, as_list=as_list, max_bytes=10**7)]
+
+
+def _reference(text: bytes, as_list: bool):
+    """What the pydantic model makes of the body: every group as its to_json, every Atropos field present."""
+    groups = (pydantic.TypeAdapter(list[ScoredGroup]).validate_json(text) if as_list
+              else [ScoredGroup.model_validate_json(text)])
+    return [_typed({**dict.fromkeys(SCORED_DATA_FIELDS), **json.loads(pydantic_core.to_json(g))}) for g in groups]
+
+
+CASES = {
+    "plain": group(),
+    "optional fields left out": group(inference_logprobs=_DROP, messages=_DROP, env_id=_DROP),
+    "explicit nulls": group(inference_logprobs=None, advantages=None, env_id=None),
+    "integers in float fields": group(scores=[1, -1]),
+    "integers in per-token floats": group(inference_logprobs=[[1, 1, 0, 0], [1, 1, -1, 0]]),
+    "atropos' empty lists": group(advantages=[], ref_logprobs=[], overrides=[], images=[]),
+    "free-form fields": group(generation_params={"temperature": 0.7, "stop": ["x"]}, group_overrides={"a": 1}),
+    "per-token advantages": group(advantages=[[0.0, 0.0, 0.5, 0.5], [0.0, 0.0, -0.5, -0.5]]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("coding", ["identity", "gzip"])
+@pytest.mark.parametrize("as_list", [False, True])
+def test_accepted_groups_are_stored_as_the_model_writes_them(name, coding, as_list):
+    g = CASES[name]
+    text = json.dumps([g, g] if as_list else g).encode()
+    body = gzip.compress(text) if coding == "gzip" else text
+    assert _stored(body, coding, as_list) == _reference(text, as_list)
+
+
+def test_nan_in_a_free_form_field_is_stored_as_null():
+    text = json.dumps(group()).replace('"note": "unknown fields are kept"', '"note": NaN').encode()
+    (stored,) = _stored(text, "identity", False)
+    assert stored["episodes"][0]["note"] == ("NoneType", None)
+
+
+BAD = {
+    "a float token": group(tokens=[[5, 6, 7.0, 8], [5, 6, 9, 10]]),
+    "a string token": group(tokens=[[5, 6, "7", 8], [5, 6, 9, 10]]),
+    "a boolean token": group(tokens=[[5, 6, True, 8], [5, 6, 9, 10]]),
+    "a negative token": group(tokens=[[5, 6, -7, 8], [5, 6, 9, 10]]),
+    "a token of 2**31": group(tokens=[[5, 6, 2**31, 8], [5, 6, 9, 10]]),
+    "a boolean mask": group(masks=[[-100, -100, True, 8], [-100, -100, 9, 10]]),
+    "a string score": group(scores=["1", -1.0]),
+    "a boolean score": group(scores=[True, -1.0]),
+    "null tokens": group(tokens=None),
+    "no scores": group(scores=_DROP),
+    "a message without content": group(messages=[[{"role": "user"}], [{"role": "user", "content": "x"}]]),
+    "env_id as a float": group(env_id=0.0),
+    "env_id negative": group(env_id=-1),
+    "tokens not a list of lists": group(tokens=[5, 6]),
+    "generation_params a list": group(generation_params=[1]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_what_the_model_refuses_is_refused_with_its_message(name):
+    text = json.dumps(BAD[name]).encode()
+    with pytest.raises(pydantic.ValidationError):
+        ScoredGroup.model_validate_json(text)
+    with pytest.raises(ApiError) as refused:
+        prepare_groups(text, "identity", CTX, as_list=False, max_bytes=10**7)
+    assert refused.value.status in (400, 422)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(field=st.sampled_from(list(SCORED_DATA_FIELDS) + ["episodes"]), value=JSON,
+       as_list=st.booleans())
+def test_any_value_in_any_field_gets_the_models_answer(field, value, as_list):
+    """Replace one field by arbitrary JSON: refused exactly when the model refuses it, else stored as it writes it."""
+    g = copy.deepcopy(group())
+    g[field] = value
+    text = json.dumps([g] if as_list else g).encode()
+    try:
+        reference = _reference(text, as_list)
+    except pydantic.ValidationError:
+        with pytest.raises(ApiError):
+            prepare_groups(text, "identity", CTX, as_list=as_list, max_bytes=10**7)
+        return
+    try:
+        stored = _stored(text, "identity", as_list)
+    except ApiError as exc:  # refused by a cross-field rule (shapes, sizes): the model's group is refused too
+        assert exc.status == 422
+        groups = (pydantic.TypeAdapter(list[ScoredGroup]).validate_json(text) if as_list
+                  else [ScoredGroup.model_validate_json(text)])
+        with pytest.raises(ApiError):
+            for g in groups:
+                check_group(g, CTX)
+        return
+    assert stored == reference
