@@ -4,6 +4,7 @@
     PYTHONPATH=src python bench/bench_api.py --queued 100000      # the full memory measurement
     PYTHONPATH=src python bench/bench_api.py --atropos-path DIR   # same run against Atropos' server
     PYTHONPATH=src python bench/bench_api.py --stall --posts 200 --skip-memory   # stalls from one post
+    PYTHONPATH=src python bench/bench_api.py --baseline 82a3919 --skip-memory     # against an earlier commit
 
 Each post is one group of 16 sequences x 300 tokens (tokens, masks, scores, and by default
 inference_logprobs and per-episode metadata, as `serve` sends them), gzip-compressed as
@@ -84,7 +85,7 @@ def rss_mb(pid: int) -> float:
 
 @dataclass
 class Server:
-    kind: str  # "ours" or "atropos"
+    kind: str  # "ours", "baseline" (ours at an earlier commit) or "atropos"
     proc: subprocess.Popen[bytes]
     url: str
     db: Path | None
@@ -101,9 +102,10 @@ def start_server(kind: str, workdir: Path, args: argparse.Namespace) -> Server:
     port = free_port()
     env = dict(os.environ)
     db = None
-    if kind == "ours":
+    if kind != "atropos":
         db = workdir / f"bench-{port}.sqlite"
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+        src = args.baseline_src if kind == "baseline" else ROOT / "src"
+        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
         env.pop("BLACKJACK_RL_API_TOKEN", None)
         cmd = [sys.executable, "-m", "blackjack_rl.api", "--port", str(port), "--db", str(db),
                "--max-queued-sequences", str(10**9), "--log-level", "warning", "--sync", args.sync,
@@ -181,7 +183,7 @@ async def post_many(url: str, bodies: list[bytes], count: int, concurrency: int,
         try:
             for i in todo:
                 headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
-                if kind == "ours":
+                if kind != "atropos":
                     headers["Idempotency-Key"] = uuid.uuid4().hex
                 t0 = time.perf_counter()
                 status, text = await http.post("/scored_data_list", bodies[i % len(bodies)], headers)
@@ -223,14 +225,14 @@ class Drainer(threading.Thread):
         host, port = self.server.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as sock, sock.makefile("rb") as reader:
             while not self.stop.is_set():
-                path = f"/batch?ack={ack}" if self.server.kind == "ours" else "/batch"
+                path = f"/batch?ack={ack}" if self.server.kind != "atropos" else "/batch"
                 body = self._get(sock, reader, path)
                 if body.startswith(b'{"batch":null'):
                     time.sleep(0.005)
                     continue
                 self.batches += 1
                 self.bytes += len(body)
-                if self.server.kind == "ours":
+                if self.server.kind != "atropos":
                     tail = body[body.rindex(b'"batch_id":') + 11:]
                     ack = int(tail[: tail.index(b",")])
 
@@ -340,7 +342,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--atropos-queued", type=int, default=2000,
                         help="groups queued in Atropos' memory measurement (it holds them all in RAM)")
     parser.add_argument("--workdir", type=Path, help="where the SQLite files go (default: a temp dir)")
+    parser.add_argument("--baseline", metavar="REV", help="also run this project's API at an earlier commit")
     args = parser.parse_args(argv)
+    args.baseline_src = None
+    if args.baseline:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import baseline
+
+        args.baseline_src = baseline.unpack(args.baseline)
 
     rng = random.Random(0)
     groups = [make_group(rng, args.seqs, args.tokens, not args.no_logprobs) for _ in range(16)]
@@ -348,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     raw = len(json.dumps(groups[0]))
     print(f"group: {args.seqs} x {args.tokens} tokens, logprobs={'no' if args.no_logprobs else 'yes'}: "
           f"{raw / 1024:.0f} KiB JSON, {len(bodies[0]) / 1024:.0f} KiB gzip | sync={args.sync} | "
-          f"concurrency {args.concurrency} | ingest workers {args.ingest_workers} | {os.cpu_count()} CPUs")
-    kinds = ["ours"] + (["atropos"] if args.atropos_path else [])
+          f"concurrency {args.concurrency} | ingest workers {args.ingest_workers} | {os.cpu_count()} CPUs | "
+          f"load average {os.getloadavg()[0]:.2f}")
+    kinds = ["ours"] + (["baseline"] if args.baseline else []) + (["atropos"] if args.atropos_path else [])
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-api-"))
     workdir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
@@ -360,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             r = results[kind]
             print(f"  {r['posts_per_s']:8.0f} posts/s  ({r['posts_per_s'] * args.seqs:,.0f} sequences/s)   "
                   f"p50 {r['p50_ms']:6.1f} ms   p99 {r['p99_ms']:6.1f} ms   "
-                  f"trainer drained {r['drained_groups_per_s']:6.0f} groups/s   server RSS {r['rss_mb']:.0f} MB")
+                  f"trainer drained {r['drained_groups_per_s']:6.0f} groups/s   server RSS {r['rss_mb']:.0f} MB   "
+                  f"(load average {os.getloadavg()[0]:.2f})")
         if args.stall:
             members = gzip.compress(b"") * 100_000
             big = json.dumps([groups[0]] * max(1, (15 * 1024 * 1024) // raw)).encode()
@@ -373,12 +384,15 @@ def main(argv: list[str] | None = None) -> int:
                           f"longest wait of another request meanwhile {r['longest_status_ms']:.0f} ms")
         if not args.skip_memory:
             for kind in kinds:
-                queued = args.queued if kind == "ours" else min(args.queued, args.atropos_queued)
+                queued = args.queued if kind != "atropos" else min(args.queued, args.atropos_queued)
                 print(f"\n[{kind}] memory with {queued:,} groups queued (no trainer draining)")
                 m = memory(kind, workdir, bodies, queued, args)
                 results[kind]["memory"] = m
                 print(f"  server RSS {m['start_mb']:.0f} MB empty -> {m['end_mb']:.0f} MB with {queued:,} groups "
                       f"({m['kb_per_group']:.2f} KB per group); on disk {m['disk_mb']:.0f} MB")
+        if "baseline" in results:
+            print(f"\ningest throughput, ours / ours at {args.baseline}: "
+                  f"x{results['ours']['posts_per_s'] / results['baseline']['posts_per_s']:.2f}")
         if "atropos" in results:
             ours, base = results["ours"], results["atropos"]
             print("\nratios (ours / Atropos 0.4.0, same machine, same run):")
@@ -389,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+        if args.baseline_src is not None:
+            shutil.rmtree(args.baseline_src.parent, ignore_errors=True)
     return 0
 
 
