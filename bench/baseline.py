@@ -47,3 +47,8 @@ def check_source(src: Path | None) -> None:
     want = (src if src is not None else ROOT / "src").resolve()
     if not Path(out).resolve().is_relative_to(want):
         raise SystemExit(f"blackjack_rl loads from {out}, not from {want}")
+
+
+def load() -> str:
+    """The machine's load, printed beside every number: these machines are shared."""
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -32,16 +32,13 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "tests"))
 
 import baseline  # noqa: E402
+from baseline import load  # noqa: E402
 from gguf_tokenizer import build_hf_tokenizer  # noqa: E402
 from mock_openai_server import MockServer, blackjack_answers, write_config  # noqa: E402
 
 from blackjack_rl.tokens import ChatFormat, HFTokenizer, embedded_model_path  # noqa: E402
 
 GROUP_SIZE = 16
-
-
-def load() -> str:
-    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def run_cli(src: Path | None, args: list[str], profile: Path | None = None) -> tuple[float, float]:

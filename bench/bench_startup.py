@@ -23,15 +23,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import baseline  # noqa: E402
+from baseline import load  # noqa: E402
 
 COMMANDS = {"--help": ["--help"], "solve": ["solve"]}
 COUNT = ("import runpy, sys; sys.argv = ['blackjack-rl'] + {args!r}\n"
          "try:\n    runpy.run_module('blackjack_rl.cli', run_name='__main__')\n"
          "except SystemExit:\n    pass\nprint(len(sys.modules), file=sys.stderr)")
-
-
-def load() -> str:
-    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
