@@ -143,8 +143,9 @@ class OpenAIChatPolicy:
         if self._session is None or self._session.closed or self._loop is not loop:
             self._loop = loop
             connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=self._max_connections)
+            # trust_env: HTTP(S)_PROXY and NO_PROXY apply, as they did with httpx
             self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout, connector=connector,
-                                                  skip_auto_headers=("User-Agent",))
+                                                  skip_auto_headers=("User-Agent",), trust_env=True)
         return self._session
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
