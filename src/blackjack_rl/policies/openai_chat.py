@@ -143,9 +143,8 @@ class OpenAIChatPolicy:
         if self._session is None or self._session.closed or self._loop is not loop:
             self._loop = loop
             connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=self._max_connections)
-            # trust_env: HTTP(S)_PROXY and NO_PROXY apply, as they did with httpx
             self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout, connector=connector,
-                                                  skip_auto_headers=("User-Agent",), trust_env=True)
+                                                  skip_auto_headers=("User-Agent",), proxy=_env_proxy(self.base_url))
         return self._session
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +175,21 @@ class OpenAIChatPolicy:
     async def aclose(self) -> None:
         if self._session is not None and not self._session.closed:
             await self._session.close()
+
+
+def _env_proxy(url: str) -> str | None:
+    """The proxy the environment names for `url` (HTTP(S)_PROXY, NO_PROXY), as httpx used it.
+
+    Read once per session: aiohttp's `trust_env` would look in the environment and in
+    ~/.netrc (on a worker thread) for every request.
+    """
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.hostname and urllib.request.proxy_bypass(parts.hostname):
+        return None
+    return urllib.request.getproxies().get(parts.scheme)
 
 
 def _text(raw: bytes, limit: int) -> str:
