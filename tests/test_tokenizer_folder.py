@@ -86,3 +86,13 @@ def test_a_verbatim_folder_needs_no_transformers_and_others_still_use_it(hf_toke
     config = json.loads((other / "tokenizer_config.json").read_text())
     (other / "tokenizer_config.json").write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
     assert _imports_transformers(other)
+
+
+def test_the_transformers_tokenizer_is_there_when_asked_even_after_the_folder_is_gone(hf_tokenizer_dir, tmp_path):
+    """The trainer asks `.tok` for pad ids and saving; a tokenizer read from a temporary folder still answers."""
+    folder = shutil.copytree(hf_tokenizer_dir, tmp_path / "temporary")
+    tokenizer = HFTokenizer(str(folder))
+    tokenizer.name = "renamed.gguf"  # the trainer renames it after its model file
+    shutil.rmtree(folder)
+    assert tokenizer.tok.eos_token == "<|im_end|>"
+    assert list(tokenizer.tok("Hello 12345", add_special_tokens=False)["input_ids"]) == tokenizer.encode("Hello 12345")

@@ -129,8 +129,14 @@ class _TokenizerFolder:
     cost more than the encoding; on the chat path that start-up is most of a short evaluation.
     """
 
-    def __init__(self, backend: Any, template: ChatTemplate, eos_token: str) -> None:
+    def __init__(self, backend: Any, template: ChatTemplate, eos_token: str, files: dict[str, bytes]) -> None:
         self.backend, self.template, self.eos_token = backend, template, eos_token
+        self.files = files  # the folder as read, should transformers be asked for it after it is gone
+
+    def restore(self, into: Path) -> Path:
+        for name, data in self.files.items():
+            (into / name).write_bytes(data)
+        return into
 
     @classmethod
     def open(cls, name_or_path: str) -> "_TokenizerFolder | None":
@@ -160,7 +166,8 @@ class _TokenizerFolder:
             special["additional_special_tokens"] = [_token_text(t) for t in extra]
         from tokenizers import Tokenizer
 
-        return cls(Tokenizer.from_file(str(files[0])), ChatTemplate(template, special), special["eos_token"])
+        kept = {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file() and f.stat().st_size < 64 * 2**20}
+        return cls(Tokenizer.from_file(str(files[0])), ChatTemplate(template, special), special["eos_token"], kept)
 
 
 def _token_text(token: Any) -> Any:
@@ -177,6 +184,7 @@ class HFTokenizer:
 
     def __init__(self, name_or_path: str, *, via_transformers: bool = False) -> None:
         self.name = name_or_path
+        self._source = name_or_path
         self._tok: Any = None
         self._folder = None if via_transformers else _TokenizerFolder.open(name_or_path)
         if self._folder is not None:
@@ -188,17 +196,24 @@ class HFTokenizer:
 
     @property
     def tok(self) -> Any:
-        """The transformers tokenizer, loaded on first use."""
+        """The transformers tokenizer, loaded on first use (from the folder as first read, even if
+        it has been removed since, e.g. a temporary one)."""
         if self._tok is None:
             try:
                 from transformers import AutoTokenizer
             except ImportError as exc:  # pragma: no cover - transformers is a core dependency
                 raise ImportError("server models need transformers: pip install 'transformers>=4.45'") from exc
             try:
-                self._tok = AutoTokenizer.from_pretrained(self.name)
+                if self._folder is not None and not Path(self._source, "tokenizer.json").is_file():
+                    import tempfile
+
+                    with tempfile.TemporaryDirectory() as tmp:
+                        self._tok = AutoTokenizer.from_pretrained(str(self._folder.restore(Path(tmp))))
+                else:
+                    self._tok = AutoTokenizer.from_pretrained(self._source)
             except Exception as exc:
                 raise ValueError(
-                    f"could not load the tokenizer {self.name!r} ({exc}). Pass --tokenizer with a hub "
+                    f"could not load the tokenizer {self._source!r} ({exc}). Pass --tokenizer with a hub "
                     "name or a local folder holding tokenizer.json / tokenizer_config.json."
                 ) from exc
         return self._tok
