@@ -50,10 +50,10 @@ def connected(address: str, num_cpus: int | None = None) -> Iterator[Any]:
         yield ray
         return
     kwargs: dict[str, Any] = {"log_to_driver": False, "include_dashboard": False, "namespace": NAMESPACE}
-    if address == LOCAL:
+    if address == LOCAL:  # a new instance even when this machine already runs a cluster
         if num_cpus is not None:
             kwargs["num_cpus"] = num_cpus
-        ray.init(**kwargs)
+        ray.init(address="local", **kwargs)
     else:
         try:
             ray.init(address=address, **kwargs)
