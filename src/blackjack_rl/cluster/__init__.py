@@ -42,7 +42,7 @@ def require_ray() -> Any:
 
 
 @contextlib.contextmanager
-def connected(address: str, num_cpus: int | None = None) -> Iterator[Any]:
+def connected(address: str) -> Iterator[Any]:
     """Join the cluster at `address` (`auto`: the one `ray start` runs on this node; `local`:
     start one for this process), and leave it afterwards (a local one is shut down)."""
     ray = require_ray()
@@ -51,8 +51,6 @@ def connected(address: str, num_cpus: int | None = None) -> Iterator[Any]:
         return
     kwargs: dict[str, Any] = {"log_to_driver": False, "include_dashboard": False, "namespace": NAMESPACE}
     if address == LOCAL:  # a new instance even when this machine already runs a cluster
-        if num_cpus is not None:
-            kwargs["num_cpus"] = num_cpus
         ray.init(address="local", **kwargs)
     else:
         try:
