@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = 1.0  # doubling with each restart of the worker, up to MAX_BACKOFF_S
 MAX_BACKOFF_S = 30.0
+NAME_WAIT_S = 30
 
 
 class ServeWorker:
@@ -123,11 +124,18 @@ class Supervisor:
             self.slots.append(_Slot(wid, payload))
         self.stopping = asyncio.Event()
 
-    def _start(self, slot: _Slot) -> None:
+    async def _start(self, slot: _Slot) -> None:
         """Create the actor and queue `where` then `run` on it (one at a time, in that order);
         nothing here waits for Ray to place it, so a worker waiting for room holds up no other."""
-        slot.handle = self._remote.options(num_cpus=self.cpus, max_restarts=0, max_concurrency=1,
-                                           name=actor_name(slot.worker_id)).remote(slot.payload)
+        for _ in range(NAME_WAIT_S * 5):
+            try:
+                slot.handle = self._remote.options(num_cpus=self.cpus, max_restarts=0, max_concurrency=1,
+                                                   name=actor_name(slot.worker_id)).remote(slot.payload)
+                break
+            except ValueError:  # the name is still the dead actor's until Ray has finished removing it
+                await asyncio.sleep(0.2)
+        else:
+            raise ClusterError(f"worker {slot.worker_id}: its actor name stayed taken for {NAME_WAIT_S}s")
         slot.where = asyncio.wrap_future(slot.handle.where.remote().future())
         slot.run = asyncio.wrap_future(slot.handle.run.remote().future())
 
@@ -154,7 +162,7 @@ class Supervisor:
 
     async def run(self) -> ClusterServeStats:
         for slot in self.slots:
-            self._start(slot)
+            await self._start(slot)
         failures = node_failure_errors(self.ray)
         stop_wait: asyncio.Task[bool] = asyncio.create_task(self.stopping.wait())
         stopped = False
@@ -205,7 +213,7 @@ class Supervisor:
                     slot.restarts)
         await asyncio.sleep(min(MAX_BACKOFF_S, RESTART_BACKOFF_S * 2 ** min(slot.restarts - 1, 8)))
         if not self.stopping.is_set():
-            self._start(slot)
+            await self._start(slot)
 
     def _totals(self) -> ClusterServeStats:
         totals, per_worker = ServeStats(), {}
