@@ -30,9 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.max_concurrent_envs <= 4096:
         parser.exit(2, "error: --max-concurrent-envs must be between 1 and 4096\n")
 
-    import uvicorn
+    try:
+        import uvicorn
 
-    from .server import create_openenv_app
+        from .server import create_openenv_app
+    except ImportError as exc:
+        parser.exit(2, f"error: {exc.name} is not installed: pip install 'blackjack-rl[openenv]'\n")
 
     app = create_openenv_app(Rules(natural=args.natural, sab=args.sab), settings, args.max_concurrent_envs)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
