@@ -112,8 +112,9 @@ class ChatTemplate:
         self.special_tokens = special_tokens
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        # tools and documents are None, not undefined, as transformers passes them (`is none` tests differ)
         return self._template.render(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                                     **self.special_tokens)
+                                     tools=None, documents=None, **self.special_tokens)
 
 
 # Tokenizer classes whose transformers tokenizer is tokenizer.json loaded as it is (no vocabulary
