@@ -96,3 +96,22 @@ def test_the_transformers_tokenizer_is_there_when_asked_even_after_the_folder_is
     shutil.rmtree(folder)
     assert tokenizer.tok.eos_token == "<|im_end|>"
     assert list(tokenizer.tok("Hello 12345", add_special_tokens=False)["input_ids"]) == tokenizer.encode("Hello 12345")
+
+
+RICH_TEMPLATE = """{%- if tools is not none %}TOOLS{% endif -%}
+{%- if documents is defined and documents is none %}NODOCS{% endif -%}
+{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}
+<{{ m['role'] }}>{{ m['content'] | tojson(indent=2) }}{{ eos_token }}
+{% if loop.index > 6 %}{% break %}{% endif %}{% endfor %}
+{%- if add_generation_prompt %}<assistant>{% endif %}"""
+
+
+def test_template_features_render_as_in_transformers(hf_tokenizer_dir, tmp_path):
+    """A template using `tools is not none`, loop controls, tojson with indent and the special tokens."""
+    folder = shutil.copytree(hf_tokenizer_dir, tmp_path / "rich")
+    (folder / "chat_template.jinja").write_text(RICH_TEMPLATE)
+    fast, exact = HFTokenizer(str(folder)), HFTokenizer(str(folder), via_transformers=True)
+    messages = [{"role": "system", "content": "s"}] + [
+        {"role": "user" if i % 2 else "assistant", "content": f"turn {i} ünï \"q\" <b>"} for i in range(9)]
+    for agp in (True, False):
+        assert fast.render(messages, agp) == exact.render(messages, agp)
