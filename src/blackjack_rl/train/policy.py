@@ -38,6 +38,9 @@ class _Request:
     future: asyncio.Future
 
 
+_TRUNK_CACHE_MAX = 4096  # sequences (~1 MB each for SmolLM2)
+
+
 def row_seed(seed: int, i: int) -> int:
     """Seeds of the rows of one `respond_many` call: distinct, stable."""
     return int(np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, i]).generate_state(1)[0])
@@ -144,6 +147,10 @@ class TorchPolicy:
         with torch.no_grad():
             if self.frozen_below:
                 states = self._trunk_states(tokens)
+                if self.record_layer == self.frozen_below:
+                    # scored while a batch is collected (counterfactual calls): training reads these
+                    # states instead of running the frozen trunk again
+                    self.states.update(states)
                 logp = token_logprobs(self.model, tokens, targets, t, first_layer=self.frozen_below, states=states)
             else:
                 logp = token_logprobs(self.model, tokens, targets, t)
@@ -161,6 +168,8 @@ class TorchPolicy:
         runs only the trained layers."""
         from .forward import forward_rows, run_prefix
 
+        if len(self._trunk_cache) > _TRUNK_CACHE_MAX:  # the chart's 560 sequences stay; one-off prompts go
+            self._trunk_cache.clear()
         todo = [seq for seq in tokens if tuple(seq) not in self._trunk_cache]
         if todo:
             p = min(common_prefix_length(todo), min(len(x) for x in todo) - 1)
