@@ -118,8 +118,8 @@ def _add_play(p: argparse.ArgumentParser, adapter: bool = True) -> None:
     g.add_argument("--retries", type=int, help="retries on timeouts and 5xx (default 2)")
     g.add_argument("--native-tools", action="store_true", default=None, help="send the tool schema as `tools`")
     g.add_argument("--server", action="append", metavar="URL[,WEIGHT]",
-                   help="an inference server of a pool (repeat for more); a conversation stays on one healthy server, "
-                        "the others share the load")
+                   help="an inference server of a pool (repeat for more); each conversation stays on one healthy server, "
+                        "and conversations spread over the servers by weight")
     g.add_argument("--server-api", choices=["vllm", "sglang", "llamacpp"],
                    help="how the servers take and return token ids (default vllm)")
     g.add_argument("--token-path", choices=["auto", "completions", "chat"],
