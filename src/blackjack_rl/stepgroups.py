@@ -39,10 +39,11 @@ from .credit import (
     spread,
     validity_advantages,
 )
-from .episode import opening_messages, sampling_seed, without_thoughts
+from .env import BlackjackEnv
+from .episode import sampling_seed, without_thoughts
 from .groups import GroupResult, Player, ScoredDataGroup
 from .policies.base import InferenceError, Reply, Turn
-from .protocol import ACTION_NAMES, HIT, STICK, observation_text, parse_action, tool_call_text
+from .protocol import ACTION_NAMES, HIT, STICK, parse_action, tool_call_text
 from .tokens import MASKED, Trajectory
 
 FORCED = (HIT, STICK)  # the order in which a counterfactual group appends the two calls
@@ -95,18 +96,19 @@ async def play_step_groups(
     settings, chat, solution = player.settings, player.chat, player.solution
     deal = StepDeal(seed)
     table = player.tables.acquire()
+    env = BlackjackEnv(solution, settings, table)  # the canonical episode: the one game loop
     try:
-        obs = table.reset(seed)
-        messages = opening_messages(obs, settings.thinking)
+        messages, _ = env.reset(seed)
         context = Trajectory()
         context.add_context(chat.prompt_ids(messages))
-        for turn_index in range(settings.max_turns):
+        while True:
+            turn_index = env.turn
             if settings.thinking and len(context) + settings.max_new_tokens > settings.max_token_length:
                 messages, context = without_thoughts(messages, chat)
             if len(context) + settings.max_new_tokens > settings.max_token_length:
                 deal.status = "truncated"
                 return deal
-            natural = table.player_is_natural
+            obs, natural = env.observation, env.natural
             prompt = list(context.tokens)
             turn = Turn(messages, prompt, obs, natural, sampling_seed(seed, 0, turn_index) ^ 0x5EED)
             try:
@@ -166,22 +168,21 @@ async def play_step_groups(
             deal.groups.append(GroupResult(seed, [], None if dropped else group, "equal_scores" if dropped else None))
 
             pick = max(range(group_size), key=lambda i: scores[i]) if continue_with == "best" else 0  # never a forced call
-            chosen, choice = replies[pick], parsed[pick]
-            if not choice.valid:
+            chosen = replies[pick]
+            # the canonical episode plays the chosen answer (never re-prompted: its group already scored it)
+            text, _, terminated, truncated, _ = env.step(chosen.text, chosen.tool_calls, allow_retry=False)
+            if env.play.status == "invalid":
                 deal.status = "invalid"
                 return deal
-            messages = [*messages, {"role": "assistant", "content": chosen.text}]
-            context.add_context(sequences[pick].tokens[len(prompt):])
-            step = table.step(choice.action)
-            if step.terminated:
-                deal.reward = step.reward
+            if terminated:
+                deal.reward = env.play.reward
                 return deal
-            obs = step.observation
-            text = observation_text(*obs)
-            messages.append({"role": "user", "content": text})
+            messages = [*messages, {"role": "assistant", "content": chosen.text}, {"role": "user", "content": text}]
+            context.add_context(sequences[pick].tokens[len(prompt):])
             context.add_context(chat.next_turn_ids(text))
-        deal.status = "truncated"
-        return deal
+            if truncated:  # the turn limit
+                deal.status = "truncated"
+                return deal
     finally:
         player.tables.release(table)
 
