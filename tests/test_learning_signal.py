@@ -282,6 +282,10 @@ def test_a_peft_adapter_plays_the_same_in_llama_cpp(tmp_path, gguf_path):
             if "lora_B" in name:
                 p.normal_(0.0, 0.08)
     save_adapter(lora, tokenizer, tmp_path / "adapter", None)
+    from blackjack_rl.train.model import export_model
+
+    # the model dequantized from the GGUF saves as a plain model (transformers marks it as quantized)
+    assert (export_model(lora, tokenizer, tmp_path / "merged") / "model.safetensors").is_file()
     trained = TorchPolicy(lora, tokenizer, threads=1)
     after = run(trained.answer_logprobs(prompt, answers, 1.0))
 
@@ -337,3 +341,26 @@ def test_evaluate_grid_puts_the_chart_in_metrics_and_report(tmp_path):
     assert metrics["grid"]["accuracy"] == 1.0
     assert abs(metrics["grid"]["value"] - baselines(Rules())["optimal"].value) < 1e-12
     assert "Exact strategy" in (tmp_path / "e" / "report.html").read_text()
+
+
+@pytest.mark.embedded
+@pytest.mark.slow
+def test_the_committed_adapter_plays_better_than_the_untrained_model(tmp_path):
+    """docs/training/counterfactual/adapter, played by llama.cpp exactly as the README says."""
+    import json
+    from pathlib import Path
+
+    adapter = Path(__file__).resolve().parents[1] / "docs" / "training" / "counterfactual" / "adapter" / "adapter.gguf"
+    assert adapter.is_file()
+    results = {}
+    for name, extra in (("base", []), ("trained", ["--lora", str(adapter)])):
+        out = tmp_path / name
+        run_ = _cli("evaluate", "--episodes", "40", "--max-tokens", "40", "--threads", "1", "--quiet", *extra,
+                    "--out", str(out), cwd=tmp_path)
+        assert run_.returncode == 0, run_.stdout + run_.stderr
+        results[name] = json.loads((out / "metrics.json").read_text())
+    assert results["trained"]["policy"]["lora"] == str(adapter)
+    assert results["trained"]["valid_decisions"] > results["base"]["valid_decisions"] + 5
+    cmp = _cli("compare", str(tmp_path / "base"), str(tmp_path / "trained"), "--out", str(tmp_path / "cmp"), cwd=tmp_path)
+    assert cmp.returncode == 0, cmp.stdout + cmp.stderr
+    assert (tmp_path / "cmp" / "compare.html").is_file()

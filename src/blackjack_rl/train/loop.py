@@ -398,9 +398,9 @@ def run_training(
         finally:
             source.close()
         evaluate(result.steps)
-    result.model_dir = export_model(model, policy.tokenizer, out / "model")
-    if hasattr(model, "peft_config"):
+    if hasattr(model, "peft_config"):  # first: the small file a run is kept for
         result.adapter_dir = save_adapter(model, policy.tokenizer, out / "adapter", settings.policy.model_path)
+    result.model_dir = export_model(model, policy.tokenizer, out / "model")
     result.plot = plot_log(
         log_path,
         out / "curves.png",

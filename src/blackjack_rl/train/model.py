@@ -198,11 +198,24 @@ def merged(model: Any) -> Any:
     return copy.deepcopy(model).merge_and_unload()
 
 
+def _forget_gguf_origin(model: Any) -> None:
+    """Weights dequantized from a GGUF are plain float32, but transformers still marks the
+    model as GGUF-quantized and then refuses to save it: drop the marks."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+
+
 def export_model(model: Any, tokenizer: HFTokenizer, out_dir: str | Path) -> Path:
     """Save safetensors weights, config and tokenizer: a folder `--policy hf --model-path` loads."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plain = merged(model)
+    _forget_gguf_origin(plain)
     plain.save_pretrained(str(out), safe_serialization=True)
     tokenizer.tok.save_pretrained(str(out))
     return out
