@@ -103,6 +103,7 @@ def load_model(path: str | Path | None = None) -> tuple[Any, HFTokenizer]:
         tokenizer = HFTokenizer(str(path))
     else:
         raise FileNotFoundError(f"no model at {path}: pass a .gguf file or a model folder")
+    _forget_gguf_origin(model)
     model.eval()
     check_architecture(model)
     tokenizer.name = path.name
