@@ -21,7 +21,8 @@ torch = pytest.importorskip("torch", reason="the trainer needs the train extra: 
 from blackjack_rl.config import GroupConfig, Settings, TrainConfig  # noqa: E402
 from blackjack_rl.episode import EpisodeSettings, opening_messages  # noqa: E402
 from blackjack_rl.game import Observation, Rules  # noqa: E402
-from blackjack_rl.groups import Player, play_deal  # noqa: E402
+from blackjack_rl.deals import play_deal  # noqa: E402
+from blackjack_rl.groups import Player  # noqa: E402
 from blackjack_rl.protocol import HIT, tool_call_text  # noqa: E402
 from blackjack_rl.solver import solve  # noqa: E402
 from blackjack_rl.tokens import MASKED, ChatFormat, HFTokenizer, trained_spans  # noqa: E402

@@ -192,22 +192,3 @@ def _prompt_length(ep: Episode) -> int:
         if m != -100:
             return i
     return len(masks)
-
-
-async def play_deal(player: Player, seed: int, config, limiter: asyncio.Semaphore | None = None) -> list[GroupResult]:
-    """The groups one deal yields: one whole-episode group, or one group per decision.
-
-    `config` is a GroupConfig (group_size, group_by, continue_with, drop_equal_scores).
-    """
-    if config.group_by == "step":
-        from .stepgroups import play_step_groups
-
-        deal = await play_step_groups(player, seed, config.group_size, continue_with=config.continue_with,
-                                      drop_equal_scores=config.drop_equal_scores, limiter=limiter,
-                                      counterfactual=config.counterfactual,
-                                      token_advantages=config.token_advantages)
-        return deal.groups
-    if config.counterfactual:
-        raise ValueError("counterfactual groups are step groups: use --group-by step with --counterfactual")
-    return [await play_group(player, seed, config.group_size, drop_equal_scores=config.drop_equal_scores,
-                             limiter=limiter, token_advantages=config.token_advantages)]

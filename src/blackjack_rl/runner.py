@@ -15,7 +15,8 @@ from tqdm import tqdm
 from .config import Settings
 from .episode import Episode, EpisodeSettings
 from .evaluate import compute_metrics, run_evaluation
-from .groups import GroupResult, Player, play_deal
+from .deals import play_deal
+from .groups import GroupResult, Player
 from .outputs import prepare_folder, write_text, writing
 from .solver import solve
 from .tokens import ChatFormat, HFTokenizer, LlamaCppTokenizer, embedded_model_path

@@ -34,7 +34,8 @@ from .api.client import ApiUnavailable, EnvClient, RetryPolicy
 from .api.models import RegisterEnv
 from .config import Settings
 from .evaluate import compute_metrics, run_evaluation
-from .groups import GroupResult, Player, play_deal
+from .deals import play_deal
+from .groups import GroupResult, Player
 
 log = logging.getLogger(__name__)
 

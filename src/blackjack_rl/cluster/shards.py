@@ -58,7 +58,7 @@ class ShardPlayer:
         return await run_evaluation(self.player, count, self.settings.evaluate.concurrency, first=first)
 
     async def deals(self, seeds: list[int]) -> list[list[GroupResult]]:
-        from ..groups import play_deal
+        from ..deals import play_deal
 
         g = self.settings.groups
         limiter = asyncio.Semaphore(g.concurrency)

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 from ..api.client import TrainerClient
 from ..api.models import Registration
 from ..config import GroupConfig
-from ..groups import Player, play_deal
+from ..deals import play_deal
+from ..groups import Player
 
 
 class GroupSource(Protocol):
