@@ -56,7 +56,7 @@ async def probe_policy(player: Player, temperature: float | None = None, calls_p
             items.append((prompt, [calls[0][:shared]]))
         items.append(([*prompt, *calls[0][:shared]], [c[shared:] for c in calls]))
     # a chart read at the 1e-2 level may use llama.cpp's faster batched kernels
-    scored = await (many(items, t, same_kernels=False) if "same_kernels" in _parameters(many) else many(items, t))
+    scored = await many(items, t, same_kernels=False)
     p_hit, p_calls = {}, {}
     step = 2 if calls_probability else 1
     for i, k in enumerate(GRID_STATES):
@@ -66,12 +66,6 @@ async def probe_policy(player: Player, temperature: float | None = None, calls_p
             (lp_shared,) = scored[step * i]
             p_calls[k] = math.exp(sum(lp_shared)) * (math.exp(sum(lp_hit)) + math.exp(sum(lp_stick)))
     return Probe(p_hit, p_calls or None, t)
-
-
-def _parameters(fn: Any) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(fn).parameters)
 
 
 async def exact_grid(player: Player) -> dict[str, Any]:

@@ -114,8 +114,11 @@ class TorchPolicy:
         `temperature` (None: the sampling temperature, the convention of sampled logprobs)."""
         return (await self.answer_logprobs_many([(prompt_ids, answers)], temperature))[0]
 
-    async def answer_logprobs_many(self, items, temperature: float | None = None) -> list[list[list[float]]]:
-        """`answer_logprobs` of many (prompt, answers) pairs, in batched forwards."""
+    async def answer_logprobs_many(
+        self, items, temperature: float | None = None, same_kernels: bool = True
+    ) -> list[list[list[float]]]:
+        """`answer_logprobs` of many (prompt, answers) pairs, in batched forwards (torch has one
+        kernel path, so `same_kernels`, which matters to llama.cpp, changes nothing here)."""
         loop = asyncio.get_running_loop()
         t = self.temperature if temperature is None else temperature
         out = []
