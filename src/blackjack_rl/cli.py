@@ -71,6 +71,8 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "continue_with": ("groups", "continue_with"),
     "token_advantages": ("groups", "token_advantages"),
     "counterfactual": ("groups", "counterfactual"),
+    "scale_decisions": ("groups", "scale_decisions"),
+    "format_weight": ("groups", "format_weight"),
     "api_url": ("serve", "api_url"),
     "api_token": ("serve", "api_token"),
     "env_name": ("serve", "env_name"),
@@ -190,6 +192,11 @@ def _add_grouping(p: argparse.ArgumentParser) -> None:
     p.add_argument("--counterfactual", action="store_true", default=None,
                    help="step groups: add both valid calls, forced, to every group, scored by Q* with the policy's "
                         "own logprobs (the exact decision gradient; embedded and hf policies)")
+    p.add_argument("--scale-decisions", action="store_true", default=None,
+                   help="token advantages: divide each decision's credit by |Q*(hit) - Q*(stick)| (floored at 0.05),"
+                        " so every state weighs the same")
+    p.add_argument("--format-weight", type=float,
+                   help="token advantages: weight of the validity credit on format tokens (default 1; 0: decision only)")
 
 
 def build_parser() -> argparse.ArgumentParser:

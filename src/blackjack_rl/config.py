@@ -133,6 +133,12 @@ class GroupConfig(_Section):
     counterfactual: bool = Field(
         False, description="step groups: also add both valid calls, forced, scored by Q* with the policy's own "
                            "logprobs (exact all-action gradient); implies token advantages")
+    scale_decisions: bool = Field(
+        False, description="token advantages: divide each decision's credit by |Q*(hit) - Q*(stick)| (floored at "
+                           "0.05), as GRPO divides a group by its spread, so every state weighs the same")
+    format_weight: float = Field(
+        1.0, ge=0.0, le=100.0, description="token advantages: weight of the validity credit on an answer's format "
+                                           "tokens (0: train the decision only)")
 
 
 class EvalConfig(_Section):

@@ -21,8 +21,12 @@ The sampled answers' action tokens then carry nothing (the decision is already c
 exactly); the forced answers' format tokens carry the validity credit of a valid answer
 against the sampled ones (see `validity_advantages`).
 
-Advantages are in score units, not divided by a group's spread: a decision worth 0.05 must
-not weigh as much as one worth 0.5.
+Advantages are in score units by default. `scale_decisions` divides each decision's credit by
+its spread |Q*(hit) - Q*(stick)| (floored at DECISION_SCALE_FLOOR), as GRPO divides a group by its
+std, so every state weighs the same. Measured on SmolLM2-135M (docs/training/): unscaled, the
+states where stick is optimal have the larger value gaps (hard 19-20: about 1.4; hard 12-16 against
+a high card: 0.1-0.2), so the summed gradient on a shared hit/stick preference points to stick and
+the model collapsed to always sticking before it learned to tell hands apart.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .grid import hit_share
+
+# Decisions whose two actions differ by less than this keep their (small) value scale when
+# scaled: they barely matter to the game, so they must not weigh as much as one that does.
+DECISION_SCALE_FLOOR = 0.05
 
 # The action value inside a call, e.g. `"action": "hit"`; the last match is the call's.
 _ACTION_VALUE = re.compile(r"""["']action["']\s*:\s*["']\s*(hit|stick)\s*["']""", re.IGNORECASE)
@@ -75,7 +83,8 @@ def action_token_indices(ids: Sequence[int], text_span: tuple[int, int] | None,
     return out
 
 
-def validity_advantages(answers: Sequence[AnswerCredit], invalid_score: float, format_bonus: float) -> list[float]:
+def validity_advantages(answers: Sequence[AnswerCredit], invalid_score: float, format_bonus: float,
+                        weight: float = 1.0) -> list[float]:
     """Each answer's validity score minus the mean over the *sampled* answers.
 
     A forced call is a valid answer the policy could have given; measured against what it
@@ -87,7 +96,7 @@ def validity_advantages(answers: Sequence[AnswerCredit], invalid_score: float, f
     scores = [format_bonus if a.valid else invalid_score for a in answers]
     sampled = [s for s, a in zip(scores, answers) if not a.forced]
     mean = sum(sampled) / len(sampled) if sampled else format_bonus
-    return [s - mean for s in scores]
+    return [weight * (s - mean) for s in scores]
 
 
 def call_probabilities(logprob_hit: float, logprob_stick: float) -> dict[int, float]:
@@ -97,12 +106,15 @@ def call_probabilities(logprob_hit: float, logprob_stick: float) -> dict[int, fl
 
 
 def decision_advantages(answers: Sequence[AnswerCredit], q: Sequence[float],
-                        p_call: dict[int, float] | None) -> list[float]:
+                        p_call: dict[int, float] | None, scale: bool = False) -> list[float]:
     """The decision credit of each answer's action tokens (see the module docstring).
 
     `q` is (Q*(s, stick), Q*(s, hit)); `p_call` the policy's probabilities of the two forced
-    calls, given when the group holds them.
+    calls, given when the group holds them; `scale` divides by the decision's spread.
     """
+    if scale:
+        gap = max(abs(q[1] - q[0]), DECISION_SCALE_FLOOR)
+        q = (q[0] / gap, q[1] / gap)
     counterfactual = any(a.forced for a in answers)
     if counterfactual and p_call is None:
         raise ValueError("a counterfactual group needs the policy's probabilities of the two calls")

@@ -18,9 +18,11 @@ async def play_deal(player: Player, seed: int, config, limiter: asyncio.Semaphor
         deal = await play_step_groups(player, seed, config.group_size, continue_with=config.continue_with,
                                       drop_equal_scores=config.drop_equal_scores, limiter=limiter,
                                       counterfactual=config.counterfactual,
-                                      token_advantages=config.token_advantages)
+                                      token_advantages=config.token_advantages,
+                                      scale_decisions=config.scale_decisions, format_weight=config.format_weight)
         return deal.groups
     if config.counterfactual:
         raise ValueError("counterfactual groups are step groups: use --group-by step with --counterfactual")
     return [await play_group(player, seed, config.group_size, drop_equal_scores=config.drop_equal_scores,
-                             limiter=limiter, token_advantages=config.token_advantages)]
+                             limiter=limiter, token_advantages=config.token_advantages,
+                             scale_decisions=config.scale_decisions, format_weight=config.format_weight)]

@@ -120,6 +120,8 @@ async def play_group(
     drop_equal_scores: bool = False,
     limiter: asyncio.Semaphore | None = None,
     token_advantages: bool = False,
+    scale_decisions: bool = False,
+    format_weight: float = 1.0,
 ) -> GroupResult:
     firsts = await player.first_replies(seed, group_size)
 
@@ -139,17 +141,18 @@ async def play_group(
         return GroupResult(seed, episodes, None, "equal_scores")
     group = pack_group(episodes, player.policy.generation_params())
     if token_advantages:
-        group["advantages"] = episode_advantages(episodes, player)
+        group["advantages"] = episode_advantages(episodes, player, scale_decisions, format_weight)
     return GroupResult(seed, episodes, group)
 
 
-def episode_advantages(episodes: list[Episode], player: Player) -> list[list[float]]:
+def episode_advantages(episodes: list[Episode], player: Player, scale_decisions: bool = False,
+                       format_weight: float = 1.0) -> list[list[float]]:
     """Per-token advantages of whole episodes (credit.py): each answer's format tokens carry
     the episode's validity credit against its group, each decision's action tokens that
     decision's Q* against the mean of both actions."""
     settings, solution, decode = player.settings, player.solution, player.chat.backend.decode
     credits = [AnswerCredit(ep.status == "finished", None) for ep in episodes]
-    fmt = validity_advantages(credits, settings.invalid_score, settings.format_bonus)
+    fmt = validity_advantages(credits, settings.invalid_score, settings.format_bonus, format_weight)
     rows = []
     for ep, f in zip(episodes, fmt):
         masks = ep.trajectory.masks
@@ -162,7 +165,7 @@ def episode_advantages(episodes: list[Episode], player: Player) -> list[list[flo
                 per_answer.append([f] * len(ids))
                 continue
             q = solution.q_values((d.player_sum, d.dealer_card, d.usable_ace), d.natural)
-            dec = decision_advantages([AnswerCredit(True, d.action)], q, None)[0]
+            dec = decision_advantages([AnswerCredit(True, d.action)], q, None, scale_decisions)[0]
             action = action_token_indices(ids, action_char_span(d.text), decode)
             per_answer.append(answer_token_advantages(len(ids), action, f, dec))
         rows.append(spread(masks, MASKED, per_answer))

@@ -92,6 +92,8 @@ async def play_step_groups(
     limiter: asyncio.Semaphore | None = None,
     counterfactual: bool = False,
     token_advantages: bool = False,
+    scale_decisions: bool = False,
+    format_weight: float = 1.0,
 ) -> StepDeal:
     settings, chat, solution = player.settings, player.chat, player.solution
     deal = StepDeal(seed)
@@ -163,7 +165,8 @@ async def play_step_groups(
                 group["generation_params"]["counterfactual"] = True
                 group["episodes"][0]["p_call"] = {"hit": p_call[HIT], "stick": p_call[STICK]}
             if token_advantages or counterfactual:
-                group["advantages"] = _advantages(sequences, replies, credits, q, p_call, settings, chat)
+                group["advantages"] = _advantages(sequences, replies, credits, q, p_call, settings, chat,
+                                                  scale_decisions, format_weight)
             dropped = drop_equal_scores and len(set(scores)) == 1 and len(scores) > 1
             deal.groups.append(GroupResult(seed, [], None if dropped else group, "equal_scores" if dropped else None))
 
@@ -214,7 +217,8 @@ async def _forced_replies(player: Player, prompt: list[int]) -> tuple[list[Reply
     return replies, call_probabilities(sum(logprobs[0]), sum(logprobs[1]))
 
 
-def _advantages(sequences, replies, credits, q, p_call, settings, chat) -> list[list[float]]:
+def _advantages(sequences, replies, credits, q, p_call, settings, chat,
+                                                  scale_decisions, format_weight) -> list[list[float]]:
     """Per-token advantages of a step group's sequences (shared prompt: 0; answer: credit.py)."""
     fmt = validity_advantages(credits, settings.invalid_score, settings.format_bonus)
     dec = decision_advantages(credits, q, p_call)
