@@ -112,6 +112,37 @@ def test_all_action_credit_is_the_exact_expected_gradient():
     assert adv[1] * 0.75 - adv[2] * 0.25 == pytest.approx(0.25 * 0.75 * 0.3)
 
 
+def test_scaled_decisions_weigh_every_state_the_same_and_the_format_has_its_own_weight(vocab_chat, solution):
+    from blackjack_rl.credit import DECISION_SCALE_FLOOR, validity_advantages
+
+    p = {1: 0.4, 0: 0.6}
+    forced = [AnswerCredit(True, HIT, forced=True), AnswerCredit(True, STICK, forced=True)]
+    big, small, tie = (0.55, -0.85), (-0.50, -0.40), (-0.30, -0.29)  # (Q stick, Q hit)
+    scaled = {name: decision_advantages(forced, q, p, scale=True) for name, q in
+              (("big", big), ("small", small), ("tie", tie))}
+    # unscaled, the big gap would weigh 14x the small one; scaled, both are p(1-p) with their sign
+    assert scaled["big"] == [pytest.approx(-0.24), pytest.approx(0.24)]
+    assert scaled["small"] == [pytest.approx(0.24), pytest.approx(-0.24)]
+    # a near tie keeps its small value scale: it must not weigh like a decision that matters
+    assert scaled["tie"][0] == pytest.approx(0.24 * 0.01 / DECISION_SCALE_FLOOR)
+    credits = [AnswerCredit(False, None), AnswerCredit(True, HIT), *forced]
+    assert validity_advantages(credits, -1.0, 0.0, weight=0.5) == [-0.25, 0.25, 0.25, 0.25]
+    # through the groups: --format-weight 0 leaves only the decision on the forced calls' tokens
+    player = Player(Scripted(_kind), vocab_chat, solution, EpisodeSettings())
+    deal = run(play_step_groups(player, 3, 2, token_advantages=True, scale_decisions=True, format_weight=0.0))
+    for result in deal.groups:
+        g = result.group
+        q = g["episodes"][0]["q"]
+        for adv, meta in zip(g["advantages"], g["episodes"]):
+            nonzero = {x for x in adv if x != 0.0}
+            if meta["action"] is None:
+                assert not nonzero
+            else:
+                gap = max(abs(q["hit"] - q["stick"]), DECISION_SCALE_FLOOR)
+                want = (q[meta["action"]] - (q["hit"] + q["stick"]) / 2) / gap
+                assert all(x == pytest.approx(want) for x in nonzero)
+
+
 # --------------------------------------------------------------------------- counterfactual groups
 
 

@@ -200,6 +200,7 @@ class TrainConfig(_Section):
     lora_alpha: float = Field(32.0, gt=0)
     train_layers: int | None = Field(None, ge=1, description="train only the top N decoder layers (cheaper backward)")
     max_batch: int = Field(64, ge=1, description="answers sampled in one batch")
+    max_train_rows: int = Field(32, ge=1, le=1024, description="sequences in one training forward (memory grows with it)")
     eval_every: int = Field(10, ge=0, description="evaluate every N steps (0: only before and after)")
     eval_episodes: int = Field(200, ge=0, description="fixed evaluation deals per evaluation (0: no evaluation)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only the final model)")

@@ -217,11 +217,11 @@ async def _forced_replies(player: Player, prompt: list[int]) -> tuple[list[Reply
     return replies, call_probabilities(sum(logprobs[0]), sum(logprobs[1]))
 
 
-def _advantages(sequences, replies, credits, q, p_call, settings, chat,
-                                                  scale_decisions, format_weight) -> list[list[float]]:
+def _advantages(sequences, replies, credits, q, p_call, settings, chat, scale_decisions=False,
+                format_weight=1.0) -> list[list[float]]:
     """Per-token advantages of a step group's sequences (shared prompt: 0; answer: credit.py)."""
-    fmt = validity_advantages(credits, settings.invalid_score, settings.format_bonus)
-    dec = decision_advantages(credits, q, p_call)
+    fmt = validity_advantages(credits, settings.invalid_score, settings.format_bonus, format_weight)
+    dec = decision_advantages(credits, q, p_call, scale_decisions)
     out = []
     for seq, reply, credit, f, d in zip(sequences, replies, credits, fmt, dec):
         answer = [t for t, m in zip(seq.tokens, seq.masks) if m != MASKED]

@@ -38,6 +38,10 @@ def add_train_parser(sub: Any, add_play: Callable[..., None]) -> None:
                    help="per-token credit: format tokens carry validity, the action token the decision's Q*")
     g.add_argument("--counterfactual", action="store_true", default=None,
                    help="step groups: add both valid calls, forced, scored by Q* (the exact decision gradient)")
+    g.add_argument("--scale-decisions", action="store_true", default=None,
+                   help="divide each decision's credit by |Q*(hit) - Q*(stick)| (floored at 0.05): states weigh the same")
+    g.add_argument("--format-weight", type=float,
+                   help="weight of the validity credit on format tokens (default 1; 0: decision only)")
     g = p.add_argument_group("training")
 
     def a(flag: str, dest: str, **kw: Any) -> None:
@@ -70,7 +74,7 @@ def add_train_parser(sub: Any, add_play: Callable[..., None]) -> None:
       help="exact strategy-chart evaluation (no sampling) every N steps (default 1; 0: with the evaluations only)")
     a("--resume", dest="train_resume", metavar="CHECKPOINT",
       help="continue from a checkpoint folder written by --save-every (weights, optimizer state, step, deals)")
-    a("--max-minutes", dest="train_max_minutes", type=float, help="stop training after this long, then evaluate")
+    a("--max-minutes", dest="train_max_minutes", type=float, help="stop after this many minutes of training (charts and evaluations not counted), then evaluate")
     a("--api-url", dest="train_api_url", help="api: the trajectory API (default http://127.0.0.1:8000)")
     a("--api-token", dest="train_api_token", help="api: bearer token (or BLACKJACK_RL_TRAIN__API_TOKEN)")
     a("--batch-size", dest="train_batch_size", type=int,
