@@ -347,3 +347,24 @@ def test_groups_trained_together_take_the_same_step_as_one_by_one(tiny_model_dir
     assert len(alone) == len(together) > 0
     for a, b in zip(alone, together):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_answer_scores_asked_together_are_batched_and_equal_to_one_by_one(tiny_policy, vocab_chat):
+    """The forced calls of every deal of a step are scored in shared forwards (the system
+    prompt runs once), with the same logprobs as when each deal asks alone."""
+    chat = tiny_policy.chat
+    calls = [chat.answer_ids(tool_call_text(HIT)), chat.answer_ids(tool_call_text(0))]
+    prompts = [chat.prompt_ids(opening_messages(Observation(s, d, False))) for s in (8, 13, 17) for d in (2, 7, 10)]
+    alone = [asyncio.run(tiny_policy.answer_logprobs(p, calls)) for p in prompts]
+    forwards = []
+    score = tiny_policy.score_answers
+    tiny_policy.score_answers = lambda items, t: (forwards.append(len(items)), score(items, t))[1]
+
+    async def together():
+        return await asyncio.gather(*(tiny_policy.answer_logprobs(p, calls) for p in prompts))
+
+    batched = asyncio.run(together())
+    assert forwards == [len(prompts)]  # one forward for all nine deals
+    for a, b in zip(alone, batched):
+        for x, y in zip(a, b):
+            assert x == pytest.approx(y, abs=1e-4)
