@@ -182,6 +182,48 @@ def test_counterfactual_groups_hold_both_calls_scored_by_q_with_the_models_logpr
             assert len(set(adv[row][prompt_len:])) == 1
 
 
+@pytest.mark.embedded
+def test_groups_of_the_two_calls_alone_follow_the_policys_own_choice(embedded, solution):
+    """--group-size 0: nothing is sampled; each group is the two calls, the format measured
+    against the policy's exact probability of writing one, and the episode goes on with a
+    call drawn from the policy's probabilities, the same call for the same seed."""
+    player = Player(embedded, embedded.chat, solution, EpisodeSettings(max_new_tokens=48))
+    counts = {"hit": 0, "stick": 0}
+    for seed in range(6):
+        deal = run(play_step_groups(player, seed, 0, counterfactual=True))
+        again = run(play_step_groups(player, seed, 0, counterfactual=True))
+        assert [r.group["episodes"][0]["state"] for r in again.groups] == \
+            [r.group["episodes"][0]["state"] for r in deal.groups]
+        assert deal.status == "finished" and deal.groups
+        for result in deal.groups:
+            g = result.group
+            meta = g["episodes"]
+            assert [m["forced"] for m in meta] == [True, True] and [m["action"] for m in meta] == ["hit", "stick"]
+            p_valid = meta[0]["p_valid"]
+            prompt_len = trained_spans(g["masks"][0])[0][0]
+            logprob_calls = [sum(g["inference_logprobs"][r][prompt_len:]) for r in (0, 1)]
+            assert p_valid == pytest.approx(sum(math.exp(x) for x in logprob_calls), rel=1e-6)
+            fmt = 0.0 - (p_valid * 0.0 + (1 - p_valid) * -1.0)
+            assert g["advantages"][0][prompt_len] == pytest.approx(fmt)  # the first token is format
+        # every group but the last was followed by a hit (a stick or a bust ends the deal)
+        states = [r.group["episodes"][0]["state"] for r in deal.groups]
+        counts["hit"] += len(states) - 1
+        counts["stick"] += 1
+    assert counts["hit"] > 0
+
+
+def test_group_size_zero_needs_counterfactual_step_groups(tmp_path):
+    import subprocess
+    import sys
+
+    for extra in ([], ["--group-by", "step"]):
+        r = subprocess.run(["blackjack-rl", "process", "--policy", "optimal", "--groups", "1",
+                            "--group-size", "0", *extra, "--out", str(tmp_path / "out")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "--counterfactual" in r.stderr and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
 def _logprobs_one_by_one(policy, prompt, answer):
     import numpy as np
 

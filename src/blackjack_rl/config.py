@@ -118,7 +118,8 @@ class EpisodeConfig(_Section):
 
 
 class GroupConfig(_Section):
-    group_size: int = Field(16, ge=1, le=1024, description="episodes per group, all on one deal")
+    group_size: int = Field(16, ge=0, le=1024, description="episodes per group, all on one deal (step groups with "
+                                                           "--counterfactual: answers sampled besides the two calls, 0 allowed)")
     drop_equal_scores: bool = Field(False, description="drop groups whose scores are all equal (no GRPO signal)")
     concurrency: int = Field(64, ge=1, description="episodes played at once")
     group_by: Literal["episode", "step"] = Field(
@@ -133,6 +134,19 @@ class GroupConfig(_Section):
     counterfactual: bool = Field(
         False, description="step groups: also add both valid calls, forced, scored by Q* with the policy's own "
                            "logprobs (exact all-action gradient); implies token advantages")
+    @model_validator(mode="after")
+    def _forced_calls_only_in_counterfactual_step_groups(self) -> "GroupConfig":
+        if self.group_size == 0 and not (self.group_by == "step" and self.counterfactual):
+            raise ValueError("--group-size 0 makes groups of the two forced calls only: it needs --group-by step "
+                             "--counterfactual")
+        return self
+
+    @property
+    def sequences(self) -> int:
+        """Sequences in each group: the sampled answers, plus the two forced calls of a
+        counterfactual step group."""
+        return self.group_size + (2 if self.counterfactual and self.group_by == "step" else 0)
+
     scale_decisions: bool = Field(
         False, description="token advantages: divide each decision's credit by |Q*(hit) - Q*(stick)| (floored at "
                            "0.05), as GRPO divides a group by its spread, so every state weighs the same")

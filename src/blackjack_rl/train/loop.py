@@ -231,14 +231,16 @@ def _line(row: dict[str, Any], steps: int) -> str:
     rate = row.get("sample_tokens_per_s")
     train_rate = row.get("train_tokens_per_s")
     return (
-        f"step {row['step']:>4}/{steps}  score {score:+.3f}  valid {pct('valid_call_rate')}  "
+        f"step {row['step']:>4}/{steps}  score {f'{score:+.3f}' if score is not None else '-'}  "
+        f"valid {pct('valid_call_rate')}  "
         f"accuracy {pct('decision_accuracy')}  win {pct('win_rate')}  "
         + (f"P(hit) {row['p_hit_hit_optimal']:.2f}|{row['p_hit_stick_optimal']:.2f}  "
            if row.get("p_hit_hit_optimal") is not None and row.get("p_hit_stick_optimal") is not None else "")
+        + (f"P(call) {row['p_valid_call']:.3f}  " if row.get("p_valid_call") is not None else "")
         + f"trained {row.get('trained_groups', 0)}/{row['groups']} groups  "
         f"sample {f'{rate:.0f}' if rate else '-'} tok/s  train {f'{train_rate:.0f}' if train_rate else '-'} tok/s  "
         f"{row['seconds']:.0f}s"
-        if score is not None
+        if row.get("groups")
         else f"step {row['step']:>4}/{steps}  no groups"
     )
 

@@ -36,10 +36,13 @@ def batch_metrics(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     # counterfactual groups carry the policy's P(hit) among the two calls at their decision:
     # on the states the policy visits, an exact reading of its strategy with no extra cost
     p_hit: dict[str, list[float]] = {"hit": [], "stick": []}
+    p_valid = []
     for g in groups:
         first = _records(g)[0]
         if first.get("p_call") and first.get("optimal") in p_hit:
             p_hit[first["optimal"]].append(float(first["p_call"]["hit"]))
+        if first.get("p_valid") is not None:
+            p_valid.append(float(first["p_valid"]))
     wins = sum(r.get("outcome") == "win" for r in finished)
     return {
         "groups": len(groups),
@@ -52,6 +55,7 @@ def batch_metrics(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "win_rate": wins / len(finished) if finished else None,
         "p_hit_hit_optimal": sum(p_hit["hit"]) / len(p_hit["hit"]) if p_hit["hit"] else None,
         "p_hit_stick_optimal": sum(p_hit["stick"]) / len(p_hit["stick"]) if p_hit["stick"] else None,
+        "p_valid_call": sum(p_valid) / len(p_valid) if p_valid else None,  # P(writing one of the calls exactly)
     }
 
 
