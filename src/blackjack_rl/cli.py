@@ -9,7 +9,7 @@ import sqlite3
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .cli_options import Option, add_options, given, options_of, select, validation_error
+from .cli_options import Option, Parser, add_options, given, options_of, select, subcommands, validation_error
 from .cluster import ClusterError
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="blackjack-rl",
         description="Train and evaluate LLM agents on Blackjack with reinforcement learning.",
     )
@@ -124,11 +124,10 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def _cmd_solve(args: argparse.Namespace, console: Console) -> int:
-    from .config import GameConfig
     from .report.console import print_solution, solution_json
     from .solver import solve
 
-    solution = solve(GameConfig(**given(args).get("game", {})).rules)
+    solution = solve(settings_from_args(args).game.rules)
     if args.json:
         print(json.dumps(solution_json(solution), indent=2))
     else:
@@ -308,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
             from .api.cli import main as api_main
 
             return api_main(argv[1:])
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # named by the subcommand, whose --help lists what it takes
+            subcommands(parser)[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
         options = options_of(args)
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                             format="%(levelname)s %(name)s: %(message)s")

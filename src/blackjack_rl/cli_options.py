@@ -23,11 +23,19 @@ from __future__ import annotations
 import argparse
 import types
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Union, get_args, get_origin
+from typing import Any, Iterable, Literal, NoReturn, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
+
+class Parser(argparse.ArgumentParser):
+    """A parser whose usage errors are one line: the usage of a command with fifty flags would bury
+    the message. `--help` still shows it all."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
 
 # Where a subcommand's parser leaves its options in the parsed namespace (see `given`).
 _OPTIONS = "_settings_options"
@@ -204,9 +212,19 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> N
     parser.set_defaults(**{_OPTIONS: (*(parser.get_default(_OPTIONS) or ()), *options)})
 
 
-def options_of(args: argparse.Namespace) -> tuple[Option, ...]:
-    """The settings options of the command that parsed `args`."""
-    return getattr(args, _OPTIONS, None) or ()
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """A parser's subcommands by name (none if it has none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def options_of(parsed: argparse.Namespace | argparse.ArgumentParser) -> tuple[Option, ...]:
+    """The settings options of a command's parser, or of the command that parsed these args."""
+    if isinstance(parsed, argparse.ArgumentParser):
+        return parsed.get_default(_OPTIONS) or ()
+    return getattr(parsed, _OPTIONS, None) or ()
 
 
 def given(args: argparse.Namespace) -> dict[str, Any]:

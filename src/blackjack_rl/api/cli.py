@@ -9,7 +9,7 @@ import textwrap
 
 from pydantic import ValidationError
 
-from ..cli_options import add_options, given, options_of, select, validation_error
+from ..cli_options import Parser, add_options, given, options_of, select, validation_error
 from .settings import ApiConfig
 
 def _epilog() -> str:
@@ -27,7 +27,7 @@ def _epilog() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every ApiConfig field is a flag (cli_options derives them from the model)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="blackjack-rl api",
         description="Serve the trajectory API: a durable, bounded, Atropos-compatible queue between "
         "environment workers (POST /scored_data_list) and a trainer (GET /batch).",
