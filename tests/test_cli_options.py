@@ -241,3 +241,40 @@ def test_a_bad_value_is_one_line_and_exit_2(command, case, words, named, tmp_pat
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and named in lines[0], lines
     assert not any(tmp_path.iterdir()), "a refused command wrote something"
+
+
+# -- the command lines the README and docs show still parse ---------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def documented_command_lines() -> list[tuple[str, list[str]]]:
+    """`blackjack-rl ...` lines of the Markdown code blocks (continuations joined, comments, pipes
+    and a trailing `...` cut off), with the file they are in."""
+    import re
+    import shlex
+
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```[\w-]*\n(.*?)```", path.read_text(encoding="utf-8"), re.S):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                match = re.search(r"(?:^|\s)blackjack-rl (\w.*)$", line.strip())
+                if match is None or line.strip().startswith("#"):
+                    continue
+                words = shlex.split(match.group(1), comments=True)
+                cut = [i for i, w in enumerate(words) if w in ("...", "|", "&&", ">", "&")]
+                found.append((str(path.relative_to(ROOT)), words[:cut[0]] if cut else words))
+    return found
+
+
+def test_every_command_line_in_the_docs_parses():
+    lines = documented_command_lines()
+    assert len(lines) > 20 and {words[0] for _, words in lines} >= {"evaluate", "process", "serve", "train", "api"}
+    for where, words in lines:
+        try:
+            if words[0] == "api":
+                API.parse_args(words[1:])
+            else:
+                MAIN.parse_args(words)
+        except SystemExit:
+            pytest.fail(f"{where}: `blackjack-rl {' '.join(words)}` no longer parses")
