@@ -1,4 +1,4 @@
-"""The command line: `blackjack-rl solve | process | evaluate | api | serve`."""
+"""The command line: `blackjack-rl solve | process | evaluate | grid | compare | serve | train | api`."""
 
 from __future__ import annotations
 
