@@ -7,7 +7,7 @@ import json
 import logging
 import sqlite3
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .cli_options import Option, Parser, add_options, given, options_of, select, subcommands, validation_error
 from .cluster import ClusterError

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+
 class Parser(argparse.ArgumentParser):
     """A parser whose usage errors are one line: the usage of a command with fifty flags would bury
     the message. `--help` still shows it all."""
@@ -145,7 +146,7 @@ def _is_section(annotation: Any) -> bool:
     return isinstance(kind, type) and issubclass(kind, BaseModel)
 
 
-def flag_of(name: str, field: FieldInfo) -> str:
+def _flag_of(name: str, field: FieldInfo) -> str:
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     if "flag" in extra:
         return str(extra["flag"])
@@ -163,7 +164,7 @@ def select(model: type[BaseModel], include: Iterable[str], exclude: Iterable[str
         for path, field, section_doc in _leaves(model, tuple(name.split("."))):
             if any(path[: len(x)] == x for x in excluded):
                 continue
-            option = Option(flag_of(path[-1], field), (path,), field, path[0] if len(path) > 1 else None, section_doc)
+            option = Option(_flag_of(path[-1], field), (path,), field, path[0] if len(path) > 1 else None, section_doc)
             known = by_flag.get(option.flag)
             if known is None:
                 by_flag[option.flag] = option
