@@ -112,6 +112,37 @@ def test_all_action_credit_is_the_exact_expected_gradient():
     assert adv[1] * 0.75 - adv[2] * 0.25 == pytest.approx(0.25 * 0.75 * 0.3)
 
 
+def test_scaled_decisions_weigh_every_state_the_same_and_the_format_has_its_own_weight(vocab_chat, solution):
+    from blackjack_rl.credit import DECISION_SCALE_FLOOR, validity_advantages
+
+    p = {1: 0.4, 0: 0.6}
+    forced = [AnswerCredit(True, HIT, forced=True), AnswerCredit(True, STICK, forced=True)]
+    big, small, tie = (0.55, -0.85), (-0.50, -0.40), (-0.30, -0.29)  # (Q stick, Q hit)
+    scaled = {name: decision_advantages(forced, q, p, scale=True) for name, q in
+              (("big", big), ("small", small), ("tie", tie))}
+    # unscaled, the big gap would weigh 14x the small one; scaled, both are p(1-p) with their sign
+    assert scaled["big"] == [pytest.approx(-0.24), pytest.approx(0.24)]
+    assert scaled["small"] == [pytest.approx(0.24), pytest.approx(-0.24)]
+    # a near tie keeps its small value scale: it must not weigh like a decision that matters
+    assert scaled["tie"][0] == pytest.approx(0.24 * 0.01 / DECISION_SCALE_FLOOR)
+    credits = [AnswerCredit(False, None), AnswerCredit(True, HIT), *forced]
+    assert validity_advantages(credits, -1.0, 0.0, weight=0.5) == [-0.25, 0.25, 0.25, 0.25]
+    # through the groups: --format-weight 0 leaves only the decision on the forced calls' tokens
+    player = Player(Scripted(_kind), vocab_chat, solution, EpisodeSettings())
+    deal = run(play_step_groups(player, 3, 2, token_advantages=True, scale_decisions=True, format_weight=0.0))
+    for result in deal.groups:
+        g = result.group
+        q = g["episodes"][0]["q"]
+        for adv, meta in zip(g["advantages"], g["episodes"]):
+            nonzero = {x for x in adv if x != 0.0}
+            if meta["action"] is None:
+                assert not nonzero
+            else:
+                gap = max(abs(q["hit"] - q["stick"]), DECISION_SCALE_FLOOR)
+                want = (q[meta["action"]] - (q["hit"] + q["stick"]) / 2) / gap
+                assert all(x == pytest.approx(want) for x in nonzero)
+
+
 # --------------------------------------------------------------------------- counterfactual groups
 
 
@@ -149,6 +180,48 @@ def test_counterfactual_groups_hold_both_calls_scored_by_q_with_the_models_logpr
         # sampled answers carry no decision credit of their own in a counterfactual group
         for row in range(3):
             assert len(set(adv[row][prompt_len:])) == 1
+
+
+@pytest.mark.embedded
+def test_groups_of_the_two_calls_alone_follow_the_policys_own_choice(embedded, solution):
+    """--group-size 0: nothing is sampled; each group is the two calls, the format measured
+    against the policy's exact probability of writing one, and the episode goes on with a
+    call drawn from the policy's probabilities, the same call for the same seed."""
+    player = Player(embedded, embedded.chat, solution, EpisodeSettings(max_new_tokens=48))
+    counts = {"hit": 0, "stick": 0}
+    for seed in range(6):
+        deal = run(play_step_groups(player, seed, 0, counterfactual=True))
+        again = run(play_step_groups(player, seed, 0, counterfactual=True))
+        assert [r.group["episodes"][0]["state"] for r in again.groups] == \
+            [r.group["episodes"][0]["state"] for r in deal.groups]
+        assert deal.status == "finished" and deal.groups
+        for result in deal.groups:
+            g = result.group
+            meta = g["episodes"]
+            assert [m["forced"] for m in meta] == [True, True] and [m["action"] for m in meta] == ["hit", "stick"]
+            p_valid = meta[0]["p_valid"]
+            prompt_len = trained_spans(g["masks"][0])[0][0]
+            logprob_calls = [sum(g["inference_logprobs"][r][prompt_len:]) for r in (0, 1)]
+            assert p_valid == pytest.approx(sum(math.exp(x) for x in logprob_calls), rel=1e-6)
+            fmt = 0.0 - (p_valid * 0.0 + (1 - p_valid) * -1.0)
+            assert g["advantages"][0][prompt_len] == pytest.approx(fmt)  # the first token is format
+        # every group but the last was followed by a hit (a stick or a bust ends the deal)
+        states = [r.group["episodes"][0]["state"] for r in deal.groups]
+        counts["hit"] += len(states) - 1
+        counts["stick"] += 1
+    assert counts["hit"] > 0
+
+
+def test_group_size_zero_needs_counterfactual_step_groups(tmp_path):
+    import subprocess
+    import sys
+
+    for extra in ([], ["--group-by", "step"]):
+        r = subprocess.run(["blackjack-rl", "process", "--policy", "optimal", "--groups", "1",
+                            "--group-size", "0", *extra, "--out", str(tmp_path / "out")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "--counterfactual" in r.stderr and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
 
 
 def _logprobs_one_by_one(policy, prompt, answer):

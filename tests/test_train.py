@@ -314,3 +314,57 @@ def test_resume_from_a_folder_without_trainer_state_is_one_line(tiny_model_dir, 
                "--eval-episodes", "0", "--out", str(tmp_path / "o"), cwd=tmp_path)
     assert run.returncode != 0 and "trainer_state.pt" in run.stderr + run.stdout
     assert "Traceback" not in run.stderr
+
+
+def test_groups_trained_together_take_the_same_step_as_one_by_one(tiny_model_dir):
+    """Merging the groups of a batch into large forwards is only a speed-up: the gradient of
+    a scalar-advantage group and a per-token one is the same as when each runs alone."""
+    from blackjack_rl.train.grpo import group_loss, merge_groups, scalar_advantages
+
+    model, tokenizer = load_model(tiny_model_dir)
+    chat = ChatFormat.learn(tokenizer)
+    calls = [chat.answer_ids(tool_call_text(HIT)), chat.answer_ids(tool_call_text(0))]
+    scalar = _synthetic_group(chat, calls[0], chat.answer_ids("no idea"))
+    prompt = chat.prompt_ids(opening_messages(Observation(16, 10, False)))
+    per_token = {
+        "tokens": [[*prompt, *c] for c in calls],
+        "masks": [[MASKED] * len(prompt) + list(c) for c in calls],
+        "scores": [0.0, 0.0],
+        "advantages": [[0.0] * len(prompt) + [0.1 * (i % 3) for i in range(len(c))] for c in calls],
+    }
+    work = [(g, scalar_advantages(g, True)) for g in (scalar, per_token)]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads(groups):
+        model.zero_grad(set_to_none=True)
+        for g, adv in groups:
+            group_loss(model, g, adv, LossConfig()).loss.backward()
+        return [p.grad.clone() for p in params if p.grad is not None]
+
+    alone = grads(work)
+    together = grads([(g, None) for g in merge_groups(work, max_rows=3)])
+    assert len(merge_groups(work, max_rows=3)) == 2  # 6 sequences, 3 per forward
+    assert len(alone) == len(together) > 0
+    for a, b in zip(alone, together):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_answer_scores_asked_together_are_batched_and_equal_to_one_by_one(tiny_policy, vocab_chat):
+    """The forced calls of every deal of a step are scored in shared forwards (the system
+    prompt runs once), with the same logprobs as when each deal asks alone."""
+    chat = tiny_policy.chat
+    calls = [chat.answer_ids(tool_call_text(HIT)), chat.answer_ids(tool_call_text(0))]
+    prompts = [chat.prompt_ids(opening_messages(Observation(s, d, False))) for s in (8, 13, 17) for d in (2, 7, 10)]
+    alone = [asyncio.run(tiny_policy.answer_logprobs(p, calls)) for p in prompts]
+    forwards = []
+    score = tiny_policy.score_answers
+    tiny_policy.score_answers = lambda items, t: (forwards.append(len(items)), score(items, t))[1]
+
+    async def together():
+        return await asyncio.gather(*(tiny_policy.answer_logprobs(p, calls) for p in prompts))
+
+    batched = asyncio.run(together())
+    assert forwards == [len(prompts)]  # one forward for all nine deals
+    for a, b in zip(alone, batched):
+        for x, y in zip(a, b):
+            assert x == pytest.approx(y, abs=1e-4)

@@ -150,7 +150,8 @@ class EpisodeConfig(_Section):
 class GroupConfig(_Section):
     """How episodes become GRPO groups and what each sequence is credited with."""
 
-    group_size: int = Field(16, ge=1, le=1024, description="episodes per group, all on one deal")
+    group_size: int = Field(16, ge=0, le=1024, description="episodes per group, all on one deal (step groups with "
+                                                           "--counterfactual: answers sampled besides the two calls, 0 allowed)")
     drop_equal_scores: bool = Field(False, description="drop groups whose scores are all equal (no GRPO signal)")
     concurrency: int = Field(64, ge=1, description="episodes played at once")
     group_by: Literal["episode", "step"] = Field(
@@ -166,6 +167,19 @@ class GroupConfig(_Section):
     counterfactual: bool = Field(
         False, description="step groups: also add both valid calls, forced, scored by Q* with the policy's own "
                            "logprobs (exact all-action gradient; embedded and hf policies); implies token advantages")
+    @model_validator(mode="after")
+    def _forced_calls_only_in_counterfactual_step_groups(self) -> "GroupConfig":
+        if self.group_size == 0 and not (self.group_by == "step" and self.counterfactual):
+            raise ValueError("--group-size 0 makes groups of the two forced calls only: it needs --group-by step "
+                             "--counterfactual")
+        return self
+
+    @property
+    def sequences(self) -> int:
+        """Sequences in each group: the sampled answers, plus the two forced calls of a
+        counterfactual step group."""
+        return self.group_size + (2 if self.counterfactual and self.group_by == "step" else 0)
+
     scale_decisions: bool = Field(
         False, description="token advantages: divide each decision's credit by |Q*(hit) - Q*(stick)| (floored at "
                            "0.05), as GRPO divides a group by its spread, so every state weighs the same")
@@ -251,6 +265,7 @@ class TrainConfig(_Section):
     lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha")
     train_layers: int | None = Field(None, ge=1, description="train only the top N decoder layers (cheaper backward)")
     max_batch: int = Field(64, ge=1, description="answers sampled in one batch")
+    max_train_rows: int = Field(32, ge=1, le=1024, description="sequences in one training forward (memory grows with it)")
     eval_every: int = Field(10, ge=0, description="evaluate every N steps (0: only before and after)")
     eval_episodes: int = Field(200, ge=0, description="fixed evaluation deals per evaluation (0: no evaluation)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only the final model)")
@@ -259,7 +274,8 @@ class TrainConfig(_Section):
     resume: Path | None = Field(None, description="continue from a checkpoint folder written by --save-every "
                                                   "(weights, optimizer state, step, deal stream)",
                                 json_schema_extra={"metavar": "CHECKPOINT"})
-    max_minutes: float | None = Field(None, gt=0, description="stop training after this long (then evaluate and save)")
+    max_minutes: float | None = Field(None, gt=0, description="stop after this many minutes of training (charts and "
+                                                              "evaluations not counted), then evaluate and save")
     api_url: str = Field("http://127.0.0.1:8000", description="api: the trajectory API")
     api_token: str | None = Field(None, description="api: bearer token (or BLACKJACK_RL_TRAIN__API_TOKEN)")
     batch_size: int | None = Field(None, ge=1, description="api: sequences per batch (default deals_per_step x group_size)")

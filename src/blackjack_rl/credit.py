@@ -84,7 +84,7 @@ def action_token_indices(ids: Sequence[int], text_span: tuple[int, int] | None,
 
 
 def validity_advantages(answers: Sequence[AnswerCredit], invalid_score: float, format_bonus: float,
-                        weight: float = 1.0) -> list[float]:
+                        weight: float = 1.0, p_valid: float | None = None) -> list[float]:
     """Each answer's validity score minus the mean over the *sampled* answers.
 
     A forced call is a valid answer the policy could have given; measured against what it
@@ -92,10 +92,19 @@ def validity_advantages(answers: Sequence[AnswerCredit], invalid_score: float, f
     often invalid, zero once they are all valid. Both forced calls get the same format
     credit, so it teaches the format and says nothing about the decision. (It is guidance,
     not an unbiased policy-gradient term: the calls were not sampled.)
+
+    A group of forced calls alone (nothing sampled) measures them against the policy's exact
+    expected validity score instead, from `p_valid`, its probability of writing one of the
+    two calls exactly (a lower bound on its validity: other spellings may parse too).
     """
     scores = [format_bonus if a.valid else invalid_score for a in answers]
     sampled = [s for s, a in zip(scores, answers) if not a.forced]
-    mean = sum(sampled) / len(sampled) if sampled else format_bonus
+    if sampled:
+        mean = sum(sampled) / len(sampled)
+    elif p_valid is not None:
+        mean = p_valid * format_bonus + (1.0 - p_valid) * invalid_score
+    else:
+        mean = format_bonus
     return [weight * (s - mean) for s in scores]
 
 

@@ -149,7 +149,7 @@ async def _local_deals(settings: Settings, player: Player, seeds: list[int]) -> 
     g = settings.groups
     limiter = asyncio.Semaphore(g.concurrency)
     # Enough groups in flight to keep `concurrency` episodes busy; yielded in seed order.
-    window = max(1, g.concurrency // g.group_size) + 1
+    window = max(1, g.concurrency // g.sequences) + 1
     pending: list[asyncio.Task[list[GroupResult]]] = []
     next_seed = 0
     while next_seed < len(seeds) or pending:

@@ -174,7 +174,7 @@ class Worker:
                 max_token_length=self.settings.episode.max_token_length,
                 desired_name=self.cfg.env_name,
                 weight=self.cfg.weight,
-                group_size=g.group_size,
+                group_size=g.sequences,
                 min_batch_allocation=self.cfg.min_batch_allocation,
                 worker_id=self.worker_id,
             ),
@@ -184,7 +184,7 @@ class Worker:
         info = (await self.client._request("GET", "/info")).json()
         self.batch_size = int(info.get("batch_size") or -1)
         if self.batch_size <= 0:
-            self.batch_size = g.group_size * 8
+            self.batch_size = g.sequences * 8
         trainer_max = int(info.get("max_token_len") or -1)
         if 0 < trainer_max < self.player.settings.max_token_length:
             # The trainer cannot take longer sequences: budget episodes to fit, rather
@@ -198,7 +198,7 @@ class Worker:
         return int(answer.env_id or 0)
 
     def _groups_ahead(self) -> int:
-        return max(1, math.ceil(self.cfg.max_batches_offpolicy * self.batch_size / self.settings.groups.group_size))
+        return max(1, math.ceil(self.cfg.max_batches_offpolicy * self.batch_size / self.settings.groups.sequences))
 
     def _launch(self) -> None:
         g = self.settings.groups

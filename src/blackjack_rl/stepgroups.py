@@ -21,11 +21,19 @@ Two options make the decision signal exact (see credit.py):
   gradient whatever the sampler drew. It needs a policy that can score given answers
   (`answer_logprobs`): the embedded llama.cpp model and the torch model can; chat servers
   cannot (they return no logprobs of a given answer), nor can bots (no probabilities).
+  With `group_size` 0 a group holds the two calls only: nothing is sampled, the canonical
+  episode continues with a call drawn from the policy's own probabilities of the two, and
+  the calls' format is measured against the policy's exact probability of writing one.
+  Decisions then cost one scoring forward instead of a sampled answer, so a step can
+  cover many more states; the format is still learned, but whether free sampling at the
+  end is valid is measured only by `evaluate`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -114,17 +122,17 @@ async def play_step_groups(
             prompt = list(context.tokens)
             turn = Turn(messages, prompt, obs, natural, sampling_seed(seed, 0, turn_index) ^ 0x5EED)
             try:
-                replies = await _sample(player, turn, group_size, limiter)
+                replies = await _sample(player, turn, group_size, limiter) if group_size else []
             except Exception as exc:  # no answers: the deal fails; groups already made stay valid
                 deal.status, deal.error = "failed", f"{type(exc).__name__}: {exc}"
                 return deal
             q = solution.q_values(obs, natural)
             best = solution.best_action(obs, natural)
             parsed = [parse_action(r.text, r.tool_calls) for r in replies]
-            p_call = None
+            p_call = p_valid = None
             if counterfactual:
                 try:
-                    forced, p_call = await _forced_replies(player, prompt)
+                    forced, p_call, p_valid = await _forced_replies(player, prompt)
                 except Exception as exc:  # no logprobs of the calls: the deal fails, like a failed answer
                     deal.status, deal.error = "failed", f"{type(exc).__name__}: {exc}"
                     return deal
@@ -164,13 +172,17 @@ async def play_step_groups(
             if counterfactual:
                 group["generation_params"]["counterfactual"] = True
                 group["episodes"][0]["p_call"] = {"hit": p_call[HIT], "stick": p_call[STICK]}
+                group["episodes"][0]["p_valid"] = p_valid
             if token_advantages or counterfactual:
                 group["advantages"] = _advantages(sequences, replies, credits, q, p_call, settings, chat,
-                                                  scale_decisions, format_weight)
+                                                  scale_decisions, format_weight, p_valid)
             dropped = drop_equal_scores and len(set(scores)) == 1 and len(scores) > 1
             deal.groups.append(GroupResult(seed, [], None if dropped else group, "equal_scores" if dropped else None))
 
-            pick = max(range(group_size), key=lambda i: scores[i]) if continue_with == "best" else 0  # never a forced call
+            if group_size == 0:  # the policy's own choice between the two calls, at its temperature
+                pick = FORCED.index(best) if continue_with == "best" else _choose(p_call, turn.seed)
+            else:  # never a forced call
+                pick = max(range(group_size), key=lambda i: scores[i]) if continue_with == "best" else 0
             chosen = replies[pick]
             # the canonical episode plays the chosen answer (never re-prompted: its group already scored it)
             text, _, terminated, truncated, _ = env.step(chosen.text, chosen.tool_calls, allow_retry=False)
@@ -202,8 +214,14 @@ def _sequence(prompt: list[int], reply: Reply, chat) -> Trajectory:
     return t
 
 
-async def _forced_replies(player: Player, prompt: list[int]) -> tuple[list[Reply], dict[int, float]]:
-    """Both valid calls as answers, with the policy's own logprobs of every token."""
+def _choose(p_call: dict[int, float], seed: int) -> int:
+    """Index (into FORCED) of the call drawn with the policy's probabilities, reproducibly."""
+    return FORCED.index(HIT) if random.Random(seed).random() < p_call[HIT] else FORCED.index(STICK)
+
+
+async def _forced_replies(player: Player, prompt: list[int]) -> tuple[list[Reply], dict[int, float], float]:
+    """Both valid calls as answers, with the policy's own logprobs of every token; the
+    policy's probabilities of each among the two, and of writing either one exactly."""
     answer_logprobs = getattr(player.policy, "answer_logprobs", None)
     if answer_logprobs is None:
         raise ValueError(
@@ -214,14 +232,15 @@ async def _forced_replies(player: Player, prompt: list[int]) -> tuple[list[Reply
     ids = [player.chat.answer_ids(t) for t in texts]
     logprobs = await answer_logprobs(prompt, ids)
     replies = [Reply(text=t, completion_ids=i, logprobs=lp) for t, i, lp in zip(texts, ids, logprobs)]
-    return replies, call_probabilities(sum(logprobs[0]), sum(logprobs[1]))
+    p_valid = min(1.0, sum(math.exp(sum(lp)) for lp in logprobs))
+    return replies, call_probabilities(sum(logprobs[0]), sum(logprobs[1])), p_valid
 
 
-def _advantages(sequences, replies, credits, q, p_call, settings, chat,
-                                                  scale_decisions, format_weight) -> list[list[float]]:
+def _advantages(sequences, replies, credits, q, p_call, settings, chat, scale_decisions=False,
+                format_weight=1.0, p_valid=None) -> list[list[float]]:
     """Per-token advantages of a step group's sequences (shared prompt: 0; answer: credit.py)."""
-    fmt = validity_advantages(credits, settings.invalid_score, settings.format_bonus)
-    dec = decision_advantages(credits, q, p_call)
+    fmt = validity_advantages(credits, settings.invalid_score, settings.format_bonus, format_weight, p_valid)
+    dec = decision_advantages(credits, q, p_call, scale_decisions)
     out = []
     for seq, reply, credit, f, d in zip(sequences, replies, credits, fmt, dec):
         answer = [t for t, m in zip(seq.tokens, seq.masks) if m != MASKED]

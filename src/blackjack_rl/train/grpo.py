@@ -218,6 +218,35 @@ def scalar_advantages(group: Mapping[str, Any], scale: bool) -> list[float] | No
     return group_advantages(group["scores"], scale)
 
 
+def merge_groups(work: Sequence[tuple[Mapping[str, Any], list[float] | None]], max_rows: int) -> list[dict[str, Any]]:
+    """The sequences of many groups as a few large ones, each with per-token advantages.
+
+    A sequence's loss depends on its own group only through its advantages, so once those
+    are computed the groups can be trained together: one forward per `max_rows` sequences,
+    and the prompt every sequence shares (the system prompt and tool schema, ~370 tokens)
+    runs once for all of them instead of once per group. Sequences are sorted by length so
+    that rows of one forward pad little. Groups with and without sampling logprobs are kept
+    apart (an importance ratio needs them for every sequence of a forward).
+    """
+    rows: dict[bool, list[tuple[list[int], list[int], list[float] | None, list[float]]]] = {True: [], False: []}
+    for group, adv in work:
+        inference = group.get("inference_logprobs") or None
+        for r, (seq, mask) in enumerate(zip(group["tokens"], group["masks"])):
+            per_token = list(group["advantages"][r]) if adv is None else [adv[r]] * len(seq)
+            rows[inference is not None].append((seq, mask, inference[r] if inference else None, per_token))
+    merged = []
+    for has_logprobs, items in rows.items():
+        items.sort(key=lambda item: len(item[0]))
+        for i in range(0, len(items), max(1, max_rows)):
+            chunk = items[i : i + max_rows]
+            group = {"tokens": [c[0] for c in chunk], "masks": [c[1] for c in chunk],
+                     "advantages": [c[3] for c in chunk]}
+            if has_logprobs:
+                group["inference_logprobs"] = [c[2] for c in chunk]
+            merged.append(group)
+    return merged
+
+
 def carries_signal(group: Mapping[str, Any], advantages: list[float] | None) -> bool:
     if advantages is not None:
         return any(a != 0.0 for a in advantages)

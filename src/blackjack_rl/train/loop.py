@@ -31,7 +31,7 @@ from ..groups import Player
 from ..probe import probe_policy
 from ..protocol import STICK, tool_call_text
 from .forward import causal_lm
-from .grpo import LossConfig, carries_signal, group_loss, scalar_advantages, token_logprobs
+from .grpo import LossConfig, carries_signal, group_loss, merge_groups, scalar_advantages, token_logprobs
 from .metrics import batch_metrics, eval_summary
 from .model import add_lora, export_model, save_adapter
 from .plot import plot_log
@@ -103,8 +103,9 @@ def optimize(
     """One GRPO step on a batch of groups (several when --updates-per-batch > 1).
 
     Groups whose scores are all equal have zero advantage everywhere and are skipped: they
-    would cost a forward and backward pass for a zero gradient. Each group is backpropagated
-    as soon as its loss is known, so memory holds one group's graph at a time.
+    would cost a forward and backward pass for a zero gradient. The others are trained
+    together (`merge_groups`: the shared system prompt runs once per forward), and each
+    forward is backpropagated as soon as its loss is known, so memory holds one graph at a time.
     """
     work = []
     for g in groups:
@@ -118,13 +119,14 @@ def optimize(
     # The whole batch, groups without signal included: a batch whose only signal is one
     # invalid answer then makes a small step, not a full-size one.
     sequences = sum(len(g["tokens"]) for g in groups)
+    merged = merge_groups(work, settings.train.max_train_rows)
     processed = 0
     for _ in range(settings.train.updates_per_batch):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = clipped = gap = kl = 0.0
         tokens = 0
-        for g, adv in work:
-            gl = group_loss(model, g, adv, loss_config, reference, first_layer=first_layer, states=states)
+        for g in merged:
+            gl = group_loss(model, g, None, loss_config, reference, first_layer=first_layer, states=states)
             (gl.loss / sequences).backward()
             loss_sum += float(gl.loss.detach()) / sequences
             tokens += gl.tokens
@@ -229,12 +231,16 @@ def _line(row: dict[str, Any], steps: int) -> str:
     rate = row.get("sample_tokens_per_s")
     train_rate = row.get("train_tokens_per_s")
     return (
-        f"step {row['step']:>4}/{steps}  score {score:+.3f}  valid {pct('valid_call_rate')}  "
+        f"step {row['step']:>4}/{steps}  score {f'{score:+.3f}' if score is not None else '-'}  "
+        f"valid {pct('valid_call_rate')}  "
         f"accuracy {pct('decision_accuracy')}  win {pct('win_rate')}  "
-        f"trained {row.get('trained_groups', 0)}/{row['groups']} groups  "
+        + (f"P(hit) {row['p_hit_hit_optimal']:.2f}|{row['p_hit_stick_optimal']:.2f}  "
+           if row.get("p_hit_hit_optimal") is not None and row.get("p_hit_stick_optimal") is not None else "")
+        + (f"P(call) {row['p_valid_call']:.3f}  " if row.get("p_valid_call") is not None else "")
+        + f"trained {row.get('trained_groups', 0)}/{row['groups']} groups  "
         f"sample {f'{rate:.0f}' if rate else '-'} tok/s  train {f'{train_rate:.0f}' if train_rate else '-'} tok/s  "
         f"{row['seconds']:.0f}s"
-        if score is not None
+        if row.get("groups")
         else f"step {row['step']:>4}/{steps}  no groups"
     )
 
@@ -359,6 +365,7 @@ def run_training(
                 write(row0)
                 progress(_grid_line(row0))
         started = time.monotonic()
+        measuring = 0.0  # seconds spent on charts and evaluations, which are not training
         try:
             for step in range(start, t.steps + 1):
                 t0 = time.perf_counter()
@@ -376,10 +383,13 @@ def run_training(
                 row.update(optimize(model, optimizer, params, groups, loss_config, settings, reference,
                                     first_layer, policy.states))
                 policy.states.clear()
-                if t.grid_every and step % t.grid_every == 0:
-                    row.update(grid(step))
                 row["seconds"] = time.perf_counter() - t0
-                row["elapsed"] = time.monotonic() - started
+                row["elapsed"] = time.monotonic() - started - measuring  # training time: --max-minutes counts it
+                if t.grid_every and step % t.grid_every == 0:
+                    g0 = time.monotonic()
+                    row.update(grid(step))
+                    row["grid_seconds"] = time.monotonic() - g0
+                    measuring += row["grid_seconds"]
                 write(row)
                 progress(_line(row, t.steps))
                 if "grid_accuracy" in row:
@@ -394,7 +404,9 @@ def run_training(
                     progress(f"stopping after {row['elapsed'] / 60:.1f} min (--max-minutes {t.max_minutes})")
                     break
                 if t.eval_every and step % t.eval_every == 0 and not last:
+                    e0 = time.monotonic()
                     evaluate(step)
+                    measuring += time.monotonic() - e0
         finally:
             source.close()
         evaluate(result.steps)

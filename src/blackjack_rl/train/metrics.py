@@ -33,6 +33,16 @@ def batch_metrics(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     valid = sum(a is not None for a, _ in decisions)
     correct = sum(a is not None and a == o for a, o in decisions)
     finished = [r for r in records if "outcome" in r and r.get("status") != "failed"]
+    # counterfactual groups carry the policy's P(hit) among the two calls at their decision:
+    # on the states the policy visits, an exact reading of its strategy with no extra cost
+    p_hit: dict[str, list[float]] = {"hit": [], "stick": []}
+    p_valid = []
+    for g in groups:
+        first = _records(g)[0]
+        if first.get("p_call") and first.get("optimal") in p_hit:
+            p_hit[first["optimal"]].append(float(first["p_call"]["hit"]))
+        if first.get("p_valid") is not None:
+            p_valid.append(float(first["p_valid"]))
     wins = sum(r.get("outcome") == "win" for r in finished)
     return {
         "groups": len(groups),
@@ -43,6 +53,9 @@ def batch_metrics(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "decision_accuracy": correct / len(decisions) if decisions else None,
         # whole-episode groups only: step groups score single decisions, not games
         "win_rate": wins / len(finished) if finished else None,
+        "p_hit_hit_optimal": sum(p_hit["hit"]) / len(p_hit["hit"]) if p_hit["hit"] else None,
+        "p_hit_stick_optimal": sum(p_hit["stick"]) / len(p_hit["stick"]) if p_hit["stick"] else None,
+        "p_valid_call": sum(p_valid) / len(p_valid) if p_valid else None,  # P(writing one of the calls exactly)
     }
 
 

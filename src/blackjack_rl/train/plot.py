@@ -71,6 +71,13 @@ def plot_log(log_path: Path, png_path: Path, title: str = "") -> Path:
         ("decision_accuracy", "decision_accuracy", "decisions equal to the optimal action"),
         ("win_rate", "win", "win rate"),
     ]
+    if steps and all(r.get("mean_score") is None for r in steps):  # groups of the two calls only: nothing sampled
+        panels = [
+            ("p_valid_call", "valid_decisions", "P(writing a call exactly) on the training states"),
+            ("p_hit_hit_optimal", None, "P(hit) on training states where hit is optimal"),
+            ("p_hit_stick_optimal", "decision_accuracy", "P(hit) on training states where stick is optimal"),
+            ("win_rate", "win", "win rate"),
+        ]
     xs = [r["step"] for r in steps]
     window = max(1, len(steps) // 10)
     for ax, (train_key, eval_key, label) in zip(axes.flat[:4], panels):
@@ -96,7 +103,8 @@ def plot_log(log_path: Path, png_path: Path, title: str = "") -> Path:
                                    label=f"{name.replace('_', ' ')} (exact)")
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     if grid:
         _grid_panels(axes[2], grid, steps)
     for ax in axes[-1]:

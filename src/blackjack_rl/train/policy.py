@@ -38,6 +38,14 @@ class _Request:
     future: asyncio.Future
 
 
+@dataclass
+class _Scoring:
+    items: list  # (prompt ids, answers' ids)
+    temperature: float
+    future: asyncio.Future
+
+
+_SCORE_CHUNK = 32  # (prompt, answers) items per scoring forward
 _TRUNK_CACHE_MAX = 4096  # sequences (~1 MB each for SmolLM2)
 
 
@@ -83,6 +91,8 @@ class TorchPolicy:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-sampler")
         self._pending: list[_Request] = []
         self._drainer: asyncio.Task | None = None
+        self._scoring: list[_Scoring] = []
+        self._scorer: asyncio.Task | None = None
 
     @classmethod
     def load(cls, path: str | Path | None = None, **kwargs: Any) -> "TorchPolicy":
@@ -118,17 +128,44 @@ class TorchPolicy:
         self, items, temperature: float | None = None, same_kernels: bool = True
     ) -> list[list[list[float]]]:
         """`answer_logprobs` of many (prompt, answers) pairs, in batched forwards (torch has one
-        kernel path, so `same_kernels`, which matters to llama.cpp, changes nothing here)."""
+        kernel path, so `same_kernels`, which matters to llama.cpp, changes nothing here).
+
+        Requests made at about the same time (the forced calls of every deal of a training
+        step) are scored together, so the system prompt they share runs once, not per deal.
+        """
         loop = asyncio.get_running_loop()
         t = self.temperature if temperature is None else temperature
-        out = []
-        for i in range(0, len(items), 32):
-            chunk = items[i : i + 32]
-            flat = await loop.run_in_executor(self._worker, self.score_answers, chunk, t)
-            for _, answers in chunk:
-                out.append(flat[: len(answers)])
-                flat = flat[len(answers) :]
-        return out
+        request = _Scoring(list(items), t, loop.create_future())
+        self._scoring.append(request)
+        if self._scorer is None or self._scorer.done() or self._scorer.get_loop() is not loop:
+            self._scorer = loop.create_task(self._drain_scoring())
+        return await request.future
+
+    async def _drain_scoring(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._scoring:
+            for _ in range(4):  # let the other deals resumed with this one queue their calls too
+                await asyncio.sleep(0)
+            t = self._scoring[0].temperature
+            batch = [r for r in self._scoring if r.temperature == t]
+            self._scoring = [r for r in self._scoring if r.temperature != t]
+            items = [item for r in batch for item in r.items]
+            try:
+                flat: list[list[float]] = []
+                for i in range(0, len(items), _SCORE_CHUNK):
+                    flat += await loop.run_in_executor(self._worker, self.score_answers, items[i : i + _SCORE_CHUNK], t)
+            except Exception as exc:  # noqa: BLE001 - every waiting caller learns it failed
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+                continue
+            for r in batch:
+                out = []
+                for _, answers in r.items:
+                    out.append(flat[: len(answers)])
+                    flat = flat[len(answers) :]
+                if not r.future.done():
+                    r.future.set_result(out)
 
     def score_answers(self, items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
                       temperature: float) -> list[list[float]]:
