@@ -17,10 +17,41 @@ def run(*args, check=True, timeout=300):
     return proc
 
 
-@pytest.mark.parametrize("cmd", [[], ["solve"], ["process"], ["evaluate"], ["serve"], ["api"]])
-def test_every_command_has_help(cmd):
-    out = run(*cmd, "--help").stdout
-    assert "usage:" in out
+def _commands():
+    from blackjack_rl.cli import build_parser
+    from blackjack_rl.cli_options import subcommands
+
+    return sorted(subcommands(build_parser()))
+
+
+COMMANDS = _commands()  # read from the parser, so a new command cannot be left out
+
+
+def test_the_help_lists_every_command():
+    out = run("--help").stdout
+    assert "usage:" in out and {"solve", "process", "evaluate", "grid", "compare", "serve", "train", "api"} <= set(COMMANDS)
+    for name in COMMANDS:
+        assert f"\n    {name} " in out, name
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command):
+    """The real `--help` of each command names each of its flags."""
+    from blackjack_rl.cli import build_parser
+    from blackjack_rl.cli_options import subcommands
+
+    if command == "api":
+        from blackjack_rl.api.cli import build_parser as api_parser
+
+        parser = api_parser()
+    else:
+        parser = subcommands(build_parser())[command]
+    out = run(command, "--help").stdout
+    assert out.startswith(f"usage: blackjack-rl {command}")
+    flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    assert len(flags) > 1
+    for flag in flags:
+        assert flag in out, flag
 
 
 def test_solve_json_gives_the_optimum_and_the_chart():

@@ -9,13 +9,14 @@ the embedded model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
 
-from .game import Rules
+if TYPE_CHECKING:  # game.py imports Gymnasium, which the command line's help and `api` do not need
+    from .game import Rules
 
 PolicyKind = Literal["embedded", "openai", "optimal", "threshold", "random", "hf"]
 
@@ -27,12 +28,16 @@ class _Section(BaseModel):
 
 
 class GameConfig(_Section):
+    """The table's rules (Gymnasium Blackjack-v1) and how long an episode may run."""
+
     natural: bool = Field(False, description="a natural pays 1.5 (Blackjack-v1 `natural`)")
     sab: bool = Field(False, description="Sutton & Barto rules (Blackjack-v1 `sab`); overrides natural")
     max_turns: int = Field(10, ge=1, le=64, description="model turns before an unfinished episode is cut")
 
     @property
     def rules(self) -> Rules:
+        from .game import Rules
+
         return Rules(natural=self.natural, sab=self.sab)
 
 
@@ -55,37 +60,55 @@ class ServerConfig(_Section):
 
 
 class PolicyConfig(_Section):
-    kind: PolicyKind = "embedded"
+    """Who plays, and how it is asked: the model or bot, its servers, sampling and decoding."""
+
+    kind: PolicyKind = Field(
+        "embedded", description="who plays: embedded (SmolLM2-135M-Instruct in llama.cpp), openai (an "
+                                "OpenAI-compatible server), hf (a torch model, e.g. one saved by `train`; needs the "
+                                "train extra), or a bot", json_schema_extra={"flag": "--policy"})
     model_path: str | None = Field(
-        None, description="a GGUF for the embedded policy, or a GGUF or saved model folder for hf "
-                          "(default: SmolLM2-135M-Instruct)")
-    base_url: str = "http://127.0.0.1:8000/v1"
+        None, description="a GGUF for the embedded policy, or a GGUF or a model folder saved by `train` for hf "
+                          "(default: SmolLM2-135M-Instruct)", json_schema_extra={"metavar": "PATH"})
+    base_url: str = Field("http://127.0.0.1:8000/v1", description="the OpenAI-compatible server")
     model: str | None = Field(None, description="model name on the server")
-    api_key: str | None = None
+    api_key: str | None = Field(None, description="server API key (or BLACKJACK_RL_POLICY__API_KEY)")
     tokenizer: str | None = Field(
-        None, description="Hugging Face tokenizer name or folder (default: --model for servers, the embedded GGUF for bots)"
+        None, description="Hugging Face tokenizer name or folder (or a .gguf) for the trajectory tokens "
+                          "(default: --model for servers, the embedded GGUF for bots)"
     )
-    temperature: float = Field(1.0, ge=0.0, le=5.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k (embedded only)")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=5.0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: sample among the most likely tokens "
+                                                          "that together hold this probability (1: off)")
+    top_k: int = Field(0, ge=0, description="sample among the K most likely tokens (0: off)")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than this times the most likely "
+                                                          "one (0: off)")
     max_tokens: int = Field(64, ge=1, le=8192, description="new tokens per model turn")
-    timeout: float = Field(60.0, gt=0)
-    retries: int = Field(2, ge=0, le=10)
+    timeout: float = Field(60.0, gt=0, description="seconds per server request")
+    retries: int = Field(2, ge=0, le=10, description="retries on timeouts and 5xx")
     native_tools: bool = Field(False, description="send the tool schema as `tools` (server-side tool parser)")
-    constrained: bool = Field(False, description="constrained decoding: always a valid call (play/eval only)")
+    constrained: bool = Field(
+        False, description="constrained decoding, every answer a valid call: a token-level constraint to the two "
+                           "valid answers (embedded) or the server's structured output (openai, see "
+                           "--structured-output); for play and evaluation")
     structured_output: Literal["json_schema", "json_object", "structured_outputs", "guided_json", "tool_choice"] = Field(
         "json_schema", description="how --constrained asks a chat server for structured output "
                                    "(json_schema: OpenAI/vLLM/SGLang/llama-server; json_object: llama-cpp-python; "
                                    "structured_outputs, guided_json: vLLM new/old; tool_choice: forced tool call)"
     )
     threshold: int = Field(17, ge=2, le=22, description="the threshold bot hits below this sum")
-    n_threads: int | None = Field(None, ge=1)
+    n_threads: int | None = Field(None, ge=1, description="llama.cpp threads (default: one per core that other "
+                                                          "processes leave free, revisited as the load changes)",
+                                  json_schema_extra={"flag": "--threads", "metavar": "N"})
     lora: str | None = Field(None, description="embedded: a LoRA adapter llama.cpp applies to the GGUF (a .gguf "
-                                              "adapter, or a folder saved by `train --lora`, converted on load)")
+                                              "adapter, or a folder saved by `train --lora`, converted on load; "
+                                              "e.g. the committed docs/training/adapter)",
+                             json_schema_extra={"metavar": "PATH"})
     n_ctx: int | None = Field(None, ge=256, description="llama.cpp context (default: the episode token budget)")
     servers: list[ServerConfig] = Field(
-        default_factory=list, description="a pool of servers (--server URL[,WEIGHT], repeatable); replaces base_url"
+        default_factory=list, description="an inference server of a pool (repeat for more); each conversation stays "
+                                          "on one healthy server, and conversations spread over the servers by "
+                                          "weight; replaces --base-url",
+        json_schema_extra={"flag": "--server", "metavar": "URL[,WEIGHT]"}
     )
     server_api: Literal["vllm", "sglang", "llamacpp"] = Field(
         "vllm", description="the servers' token-id API: vLLM /v1/completions, SGLang /generate, llama.cpp /completion"
@@ -94,9 +117,11 @@ class PolicyConfig(_Section):
         None, description="token ids (completions) or chat text; auto asks the servers. Default: auto with servers, "
                           "else the single-server chat client"
     )
-    max_concurrency_per_server: int = Field(128, ge=1, description="requests in flight per server")
-    sticky: bool = Field(True, description="send every turn of an episode and every answer of a group to one server "
-                                           "while it is healthy (its prefix cache hits); False: least-loaded only")
+    max_concurrency_per_server: int = Field(128, ge=1, description="requests in flight per server",
+                                            json_schema_extra={"flag": "--server-concurrency"})
+    sticky: bool = Field(True, description="keep every turn of an episode and every answer of a group on one server "
+                                           "while it is healthy, so its prefix cache hits (off: send each request to "
+                                           "the least-loaded server)")
 
     @model_validator(mode="after")
     def _server_needs_model(self) -> "PolicyConfig":
@@ -106,24 +131,32 @@ class PolicyConfig(_Section):
 
 
 class EpisodeConfig(_Section):
+    """How an episode is played and scored."""
+
     invalid_score: float = Field(-1.0, description="score of an episode that ends on an invalid answer")
     max_token_length: int = Field(1024, ge=128, description="token budget of a whole episode (prompt + all turns)")
     scoring: Literal["outcome", "expected"] = Field(
-        "outcome", description="outcome: the game reward; expected: V*(s0) minus the regret of each decision"
+        "outcome", description="outcome: the game reward; expected: V*(s0) minus the regret of each decision "
+                               "(same mean, far lower variance; both are always recorded)"
     )
     format_bonus: float = Field(0.0, description="added for well-formed answers (share of valid answers)")
-    invalid_retries: int = Field(0, ge=0, le=16, description="re-prompts after an invalid answer before it forfeits")
-    thinking: bool = Field(False, description="the model reasons in <think>...</think> before its call")
+    invalid_retries: int = Field(0, ge=0, le=16, description="re-prompt after an invalid answer, with the reason, up "
+                                                             "to N times before the episode forfeits (0: at once)")
+    thinking: bool = Field(False, description="the model reasons in <think>...</think> before its call; older "
+                                              "thoughts are cut to fit")
     think_budget: int = Field(192, ge=0, description="extra new tokens per turn for reasoning in thinking mode")
 
 
 class GroupConfig(_Section):
+    """How episodes become GRPO groups and what each sequence is credited with."""
+
     group_size: int = Field(16, ge=0, le=1024, description="episodes per group, all on one deal (step groups with "
                                                            "--counterfactual: answers sampled besides the two calls, 0 allowed)")
     drop_equal_scores: bool = Field(False, description="drop groups whose scores are all equal (no GRPO signal)")
     concurrency: int = Field(64, ge=1, description="episodes played at once")
     group_by: Literal["episode", "step"] = Field(
-        "episode", description="episode: whole episodes on one deal; step: one group per decision, scored by Q*"
+        "episode", description="episode: whole episodes on one deal; step: one group per decision, each answer "
+                               "scored by Q*(s, a), each sequence the shared prompt plus one answer"
     )
     continue_with: Literal["sampled", "best"] = Field(
         "sampled", description="step groups: the answer the canonical episode continues with"
@@ -133,7 +166,7 @@ class GroupConfig(_Section):
                            "the decision's Q* credit (see docs/api.md)")
     counterfactual: bool = Field(
         False, description="step groups: also add both valid calls, forced, scored by Q* with the policy's own "
-                           "logprobs (exact all-action gradient); implies token advantages")
+                           "logprobs (exact all-action gradient; embedded and hf policies); implies token advantages")
     @model_validator(mode="after")
     def _forced_calls_only_in_counterfactual_step_groups(self) -> "GroupConfig":
         if self.group_size == 0 and not (self.group_by == "step" and self.counterfactual):
@@ -156,42 +189,59 @@ class GroupConfig(_Section):
 
 
 class EvalConfig(_Section):
-    episodes: int = Field(1000, ge=1)
-    concurrency: int = Field(64, ge=1)
+    """`evaluate`: the fixed evaluation deals and what is written about them."""
+
+    episodes: int = Field(1000, ge=1, description="evaluation deals")
+    concurrency: int = Field(64, ge=1, description="episodes played at once")
     samples: bool = Field(True, description="write every episode to samples.jsonl")
-    grid: bool = Field(False, description="also the exact strategy chart from the policy's probabilities (grid.py)")
+    grid: bool = Field(False, description="also the exact strategy chart: P(hit) in all 280 states from the policy's "
+                                          "probabilities, its exact expected return, accuracy and regret (embedded, hf "
+                                          "and bots; in metrics.json and report.html)")
 
 
 class ProcessConfig(_Section):
-    groups: int = Field(8, ge=1)
+    """`process`: how much data to write."""
+
+    groups: int = Field(8, ge=1, description="number of groups")
 
 
 class ServeConfig(_Section):
+    """`serve`: the environment worker that feeds the trajectory API."""
+
     api_url: str = Field("http://127.0.0.1:8000", description="the trajectory API")
     api_token: str | None = Field(None, description="bearer token of the API (or BLACKJACK_RL_SERVE__API_TOKEN)")
-    env_name: str = "blackjack"
+    env_name: str = Field("blackjack", description="name to register under")
     worker_id: str | None = Field(None, description="names this worker: mixed into the deal seeds so workers play "
                                                      "different deals; a restart with the same id continues its deals "
                                                      "and takes over its API registration (default: host and process id)")
     weight: float = Field(1.0, description="this environment's share of each batch (Atropos env weight)")
-    min_batch_allocation: float | None = Field(None, ge=0.0, le=1.0)
+    min_batch_allocation: float | None = Field(None, ge=0.0, le=1.0, description="minimum share of each batch (0-1)")
     max_batches_offpolicy: int = Field(3, ge=1, description="batches of groups kept queued or in flight ahead of the trainer")
     steps_per_eval: int = Field(100, ge=0, description="evaluate every N trainer steps (0: never)")
-    eval_episodes: int = Field(200, ge=1)
-    max_groups: int | None = Field(None, ge=1, description="stop after sending this many groups")
-    register_timeout: float | None = Field(None, gt=0, description="give up waiting for the trainer after N s")
+    eval_episodes: int = Field(200, ge=1, description="episodes per evaluation")
+    max_groups: int | None = Field(None, ge=1, description="stop after sending this many groups (default: run until "
+                                                           "SIGTERM)")
+    register_timeout: float | None = Field(None, gt=0, description="give up waiting for the trainer after N s "
+                                                                  "(default: wait forever)")
     drain_timeout: float = Field(60.0, ge=0, description="on SIGTERM, seconds to finish groups in flight")
-    poll_interval: float = Field(1.0, gt=0)
+    poll_interval: float = Field(1.0, gt=0, description="seconds between status checks of the API")
 
 
 class RayConfig(_Section):
     """`--ray`: evaluate / process in shards on a Ray cluster, serve workers as Ray actors (the `ray` extra)."""
 
-    address: str | None = Field(None, description="the cluster: auto (the one `ray start` runs here), HOST:PORT, "
-                                                   "or local (start one for this command); None: no Ray")
-    actors: int | None = Field(None, ge=1, description="evaluate/process: shard actors (default: cluster CPUs / cpus)")
-    cpus: float = Field(1.0, gt=0, description="CPUs reserved per actor (also its llama.cpp/torch threads)")
-    workers: int = Field(1, ge=1, le=1024, description="serve: worker actors, each with its own worker id and deals")
+    address: str | None = Field(
+        None, description="run on a Ray cluster: auto joins the one `ray start` runs on this node, HOST:PORT another; "
+                          "no address (local) starts one for this command; evaluate and process split the deals into "
+                          "shards, merged in seed order", json_schema_extra={"flag": "--ray", "metavar": "ADDRESS",
+                                                                              "const": "local"})
+    actors: int | None = Field(None, ge=1, description="evaluate/process: shard actors (default: cluster CPUs / "
+                                                      "--ray-cpus)", json_schema_extra={"flag": "--ray-actors",
+                                                                                       "metavar": "N"})
+    cpus: float = Field(1.0, gt=0, description="CPUs reserved per actor (also its llama.cpp/torch threads)",
+                        json_schema_extra={"flag": "--ray-cpus", "metavar": "N"})
+    workers: int = Field(1, ge=1, le=1024, description="serve: worker actors, worker ids ID-0..ID-(N-1), each with "
+                                                       "its own deals; a dead one is restarted with its id")
     max_restarts: int = Field(100, ge=0, description="serve: restarts of one worker before the command gives up")
 
 
@@ -199,19 +249,20 @@ class TrainConfig(_Section):
     """`blackjack-rl train`: GRPO on the torch policy (needs the `train` extra)."""
 
     source: Literal["local", "api"] = Field(
-        "local", description="local: play groups with the model being trained; api: pull batches from the trajectory API")
+        "local", description="local: play groups with the model being trained; api: pull batches from the trajectory API "
+                             "(the answers are then sampled by whatever model `serve` runs)")
     steps: int = Field(50, ge=1, description="optimizer steps")
     deals_per_step: int = Field(4, ge=1, description="local: deals played per step (one group each, or one per decision)")
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping: largest gradient norm")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip of the importance ratio")
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the initial model (0: no reference model)")
-    scale_advantages: bool = Field(True, description="divide advantages by the group's score std (GRPO)")
+    scale_advantages: bool = Field(True, description="divide advantages by the group's score std (GRPO; off: Dr. GRPO)")
     updates_per_batch: int = Field(1, ge=1, description="optimizer steps on each batch (>1 makes later ones off-policy)")
     lora: bool = Field(False, description="train LoRA adapters (peft) instead of every weight")
-    lora_rank: int = Field(16, ge=1)
-    lora_alpha: float = Field(32.0, gt=0)
+    lora_rank: int = Field(16, ge=1, description="LoRA rank")
+    lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha")
     train_layers: int | None = Field(None, ge=1, description="train only the top N decoder layers (cheaper backward)")
     max_batch: int = Field(64, ge=1, description="answers sampled in one batch")
     max_train_rows: int = Field(32, ge=1, le=1024, description="sequences in one training forward (memory grows with it)")
@@ -220,9 +271,11 @@ class TrainConfig(_Section):
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only the final model)")
     grid_every: int = Field(1, ge=0, description="exact strategy-chart evaluation every N steps (0: only with "
                                                  "the sampled evaluations)")
-    resume: Path | None = Field(None, description="continue from a checkpoint folder (weights, optimizer, step, "
-                                                  "deal stream)")
-    max_minutes: float | None = Field(None, gt=0, description="stop training after this long (then evaluate and save)")
+    resume: Path | None = Field(None, description="continue from a checkpoint folder written by --save-every "
+                                                  "(weights, optimizer state, step, deal stream)",
+                                json_schema_extra={"metavar": "CHECKPOINT"})
+    max_minutes: float | None = Field(None, gt=0, description="stop after this many minutes of training (charts and "
+                                                              "evaluations not counted), then evaluate and save")
     api_url: str = Field("http://127.0.0.1:8000", description="api: the trajectory API")
     api_token: str | None = Field(None, description="api: bearer token (or BLACKJACK_RL_TRAIN__API_TOKEN)")
     batch_size: int | None = Field(None, ge=1, description="api: sequences per batch (default deals_per_step x group_size)")
@@ -236,7 +289,7 @@ class Settings(BaseSettings):
     )
 
     seed: int = Field(0, description="base seed: fixes the deals (process) and sampling seeds")
-    out: Path = Field(Path("runs/latest"), description="output folder")
+    out: Path = Field(Path("runs/latest"), description="output folder", json_schema_extra={"metavar": "DIR"})
     game: GameConfig = GameConfig()
     policy: PolicyConfig = PolicyConfig()
     episode: EpisodeConfig = EpisodeConfig()

@@ -31,37 +31,46 @@ class ApiConfig(BaseSettings):
         Path("blackjack_rl_api.sqlite"),
         description="SQLite file holding registrations, the step counter and the queue. "
         "Use one file per training run.",
+        json_schema_extra={"flag": "--db", "metavar": "PATH"},
     )
     token: SecretStr | None = Field(
         None,
         description="Bearer token required on every endpoint when set. Destructive endpoints "
-        "(/reset_data) are refused unless a token is configured.",
+        "(/reset_data) are refused unless a token is configured. Prefer BLACKJACK_RL_API_TOKEN: "
+        "flags show up in `ps`.",
     )
     max_queued_sequences: int = Field(
         100_000,
         ge=1,
         description="Backpressure: posts that would push the queue past this many sequences get "
         "503 with Retry-After.",
+        json_schema_extra={"metavar": "N"},
     )
     max_body_bytes: int = Field(
         16 * MIB,
         ge=1024,
-        description="Largest request body accepted, both as sent and after gzip decompression.",
+        description="Largest request body accepted, both as sent and after gzip decompression "
+        "(bytes; the flag takes MB).",
+        json_schema_extra={"flag": "--max-body-mb", "metavar": "MB", "scale": MIB},
     )
     cors_origins: list[str] = Field(
         default_factory=list,
-        description="Browser origins allowed to call the API (CORS). Empty: CORS off.",
+        description="Browser origins allowed to call the API (CORS); repeat the flag for more. Empty: CORS off.",
+        json_schema_extra={"flag": "--cors-origin", "metavar": "ORIGIN"},
     )
     synchronous: Literal["NORMAL", "FULL"] = Field(
         "FULL",
         description="SQLite durability. Both survive a killed process; FULL also survives power loss "
         "(commits are grouped, so it costs little throughput).",
+        json_schema_extra={"flag": "--sync"},
     )
-    retry_after_s: int = Field(2, ge=1, description="Retry-After (seconds) sent with 503 responses.")
+    retry_after_s: int = Field(2, ge=1, description="Retry-After (seconds) sent with 503 responses.",
+                               json_schema_extra={"flag": "--retry-after", "metavar": "SECONDS"})
     idempotency_ttl_s: float = Field(
         24 * 3600.0,
         gt=0,
         description="How long an Idempotency-Key is remembered, so a retried post is not queued twice.",
+        json_schema_extra={"flag": "--idempotency-ttl", "metavar": "SECONDS"},
     )
     env_lease_s: float = Field(
         120.0,
@@ -70,6 +79,7 @@ class ApiConfig(BaseSettings):
         description="An environment not heard from (status-env, posts, registration) for this long no "
         "longer holds its min_batch_allocation share of batches, so a worker that died without "
         "disconnecting cannot stall training. It regains its share when it is heard from again.",
+        json_schema_extra={"flag": "--env-lease", "metavar": "SECONDS"},
     )
     ingest_workers: int = Field(
         0,
@@ -77,8 +87,9 @@ class ApiConfig(BaseSettings):
         le=256,
         description="Processes that parse and check posted groups. 0: the server process does it "
         "(best on 1-2 cores); on bigger machines a few workers raise ingest throughput.",
+        json_schema_extra={"metavar": "N"},
     )
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="uvicorn's log level.")
     access_log: bool = Field(False, description="Log every request (noisy at thousands of posts a second).")
 
     @field_validator("token", mode="before")
