@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
 
 from .game import Rules
+from .policies.structured import StructuredOutput
 
 PolicyKind = Literal["embedded", "openai", "optimal", "threshold", "random", "hf"]
 
@@ -74,7 +75,7 @@ class PolicyConfig(_Section):
     retries: int = Field(2, ge=0, le=10)
     native_tools: bool = Field(False, description="send the tool schema as `tools` (server-side tool parser)")
     constrained: bool = Field(False, description="constrained decoding: always a valid call (play/eval only)")
-    structured_output: Literal["json_schema", "json_object", "structured_outputs", "guided_json", "tool_choice"] = Field(
+    structured_output: StructuredOutput = Field(
         "json_schema", description="how --constrained asks a chat server for structured output "
                                    "(json_schema: OpenAI/vLLM/SGLang/llama-server; json_object: llama-cpp-python; "
                                    "structured_outputs, guided_json: vLLM new/old; tool_choice: forced tool call)"

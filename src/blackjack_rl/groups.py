@@ -192,6 +192,6 @@ def pack_group(episodes: list[Episode], generation_params: dict[str, Any]) -> Sc
 def _prompt_length(ep: Episode) -> int:
     masks = ep.trajectory.masks
     for i, m in enumerate(masks):
-        if m != -100:
+        if m != MASKED:
             return i
     return len(masks)

@@ -97,7 +97,7 @@ def train_settings(args: argparse.Namespace, settings_from_args: Callable[[argpa
 
 def cmd_train(args: argparse.Namespace, console: Console, settings_from_args: Callable, argv: list[str]) -> int:
     settings = train_settings(args, settings_from_args)
-    from ..runner import build_player
+    from ..players import build_player
     from .loop import run_training
 
     player = build_player(settings)
