@@ -110,6 +110,10 @@ def check_supported(p: PolicyConfig) -> None:
         if server_only:
             raise ValueError(f"{server_only[0]} applies to inference servers, not to --policy {kind}: "
                              "drop it or use --policy openai")
+    if kind == "openai" and p.constrained and p.structured_output == "tool_choice" and p.server_api == "vllm" \
+            and (p.servers or p.token_path is not None) and p.token_path != "chat":
+        raise ValueError("--structured-output tool_choice forces a chat tool call, which the token-id path (vLLM "
+                         "/v1/completions) cannot: use --structured-output json_schema, or --token-path chat")
     if p.lora and kind != "embedded":
         raise ValueError("--lora applies an adapter to the embedded llama.cpp model; for --policy hf pass the "
                          "adapter folder as --model-path")

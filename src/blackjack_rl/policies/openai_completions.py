@@ -104,8 +104,7 @@ class VLLMApi:
     def constraint(self, mode: str) -> dict[str, Any]:
         # vLLM's completions endpoint takes the chat endpoint's structured-output fields, but has no tools.
         if mode == "tool_choice":
-            raise ValueError("--structured-output tool_choice forces a chat tool call, which vLLM's completions "
-                             "endpoint cannot: use json_schema (or --token-path chat)")
+            raise ValueError("tool_choice forces a chat tool call: vLLM's /v1/completions has no tools")
         return structured_output_fields(mode)
 
     def samples(self, data: Any) -> list[Sample]:

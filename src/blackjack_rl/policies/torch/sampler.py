@@ -81,13 +81,8 @@ def sample(
     for step in range(max_new_tokens):
         logits = logits.float()
         if temperature > 0:
-            logp = torch.log_softmax(logits / temperature, dim=-1)
             u = torch.tensor([rngs[int(r)].random() for r in active], dtype=torch.float64)
-            probs = logp.double().exp()
-            if top_p < 1.0 or top_k > 0 or min_p > 0.0:
-                probs = truncate(probs, top_p, top_k, min_p)
-            cdf = probs.cumsum(-1)
-            tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=logits.shape[-1] - 1)
+            tok, logp = draw(logits, u, temperature, top_p, top_k, min_p)
         else:
             logp = torch.log_softmax(logits, dim=-1)
             tok = logp.argmax(-1, keepdim=True)
@@ -122,6 +117,20 @@ def sample(
         for i in range(n):
             out[i].states = torch.cat([head, first.recorded[i, : int(lengths[i])], *recorded[i]])
     return out
+
+
+def draw(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+         min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of `logits` [rows, vocab], by inverse CDF at the uniform draws `u`
+    [rows], from the tempered distribution cut by top-k / top-p / min-p. Returns the ids
+    [rows, 1] and the tempered, uncut log-probabilities [rows, vocab]."""
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    probs = logp.double().exp()
+    if top_p < 1.0 or top_k > 0 or min_p > 0.0:
+        probs = truncate(probs, top_p, top_k, min_p)
+    cdf = probs.cumsum(-1)
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=logits.shape[-1] - 1)
+    return tok, logp
 
 
 def truncate(probs: torch.Tensor, top_p: float, top_k: int, min_p: float) -> torch.Tensor:
