@@ -126,6 +126,29 @@ async def _respond_and_close(policy) -> Reply:
         await policy.aclose()
 
 
+@pytest.mark.embedded
+def test_the_embedded_model_samples_with_the_cut_it_is_given():
+    """top_k 1 at temperature 1 leaves only the most likely token: every seed gives the greedy
+    answer, which free sampling at temperature 1 does not."""
+    from blackjack_rl.episode import opening_messages
+
+    def answers(**policy) -> set[tuple[int, ...]]:
+        built = make_policy(settings(kind="embedded", max_tokens=12, n_threads=1, **policy))
+        try:
+            ids = built.chat.prompt_ids(opening_messages(Observation(13, 10, False), False))
+            return {tuple(built.policy.generate(list(ids), seed).completion_ids) for seed in range(6)}
+        finally:
+            asyncio.run(built.policy.aclose())
+
+    greedy = answers(temperature=0.0)
+    assert len(greedy) == 1
+    assert answers(temperature=1.0, top_k=1) == greedy
+    assert answers(temperature=1.0) != greedy
+    nucleus = make_policy(settings(kind="embedded", top_p=0.5, n_threads=1)).policy
+    assert nucleus.generation_params()["top_p"] == 0.5
+    asyncio.run(nucleus.aclose())
+
+
 def test_bots_are_tokenized_like_the_embedded_model_and_take_no_sampling():
     built = make_policy(settings(kind="threshold", threshold=15))
     assert built.policy.name == "threshold-15"
