@@ -189,7 +189,6 @@ class ServerPool:
         if max_concurrency < 1 or retries < 0 or quarantine_after < 1:
             raise ValueError("max_concurrency and quarantine_after must be >= 1, retries >= 0")
         self.timeout = timeout
-        self.retries = retries
         self.acquire_timeout = acquire_timeout if acquire_timeout is not None else timeout
         self.quarantine_after = quarantine_after
         self.quarantine_s, self.max_quarantine_s = quarantine_s, max_quarantine_s
