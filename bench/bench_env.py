@@ -23,7 +23,7 @@ from blackjack_rl.evaluate import compute_metrics, run_evaluation
 from blackjack_rl.game import Rules, Table
 from blackjack_rl.groups import Player
 from blackjack_rl.policies.bots import OptimalBot
-from blackjack_rl.runner import build_player
+from blackjack_rl.players import build_player
 from blackjack_rl.solver import solve
 
 

@@ -44,6 +44,7 @@ from blackjack_rl.policies.base import Reply, Turn  # noqa: E402
 from blackjack_rl.policies.openai_chat import OpenAIChatPolicy  # noqa: E402
 from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy  # noqa: E402
 from blackjack_rl.policies.pool import ServerPool, ServerSpec  # noqa: E402
+from blackjack_rl.policies.sampling import Sampling  # noqa: E402
 from blackjack_rl.solver import solve  # noqa: E402
 from blackjack_rl.tokens import ChatFormat, HFTokenizer, LlamaCppTokenizer, embedded_model_path  # noqa: E402
 
@@ -188,10 +189,10 @@ def main() -> None:
 
         def pool_policy(**pool_args: Any) -> OpenAICompletionsPolicy:
             return OpenAICompletionsPolicy(ServerPool([ServerSpec(server.url)], timeout=30, **pool_args),
-                                           "mock", chat, max_tokens=64)
+                                           "mock", chat, sampling=Sampling(max_tokens=64))
 
         def chat_policy() -> OpenAIChatPolicy:
-            return OpenAIChatPolicy(server.url, "mock", max_tokens=64, timeout=30)
+            return OpenAIChatPolicy(server.url, "mock", sampling=Sampling(max_tokens=64), timeout=30)
 
         def naive_policy() -> NaivePolicy:
             return NaivePolicy(server.url, "mock", chat, 64)

@@ -38,9 +38,10 @@ from mock_openai_server import free_port  # noqa: E402
 
 from blackjack_rl.episode import opening_messages  # noqa: E402
 from blackjack_rl.groups import Player, play_group  # noqa: E402
-from blackjack_rl.policies.openai_chat import structured_output_fields  # noqa: E402
+from blackjack_rl.policies.structured import structured_output_fields  # noqa: E402
 from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy  # noqa: E402
 from blackjack_rl.policies.pool import ServerPool, ServerSpec  # noqa: E402
+from blackjack_rl.policies.sampling import Sampling  # noqa: E402
 from blackjack_rl.solver import solve  # noqa: E402
 from blackjack_rl.game import Rules  # noqa: E402
 from blackjack_rl.tokens import ChatFormat, LlamaCppTokenizer, embedded_model_path  # noqa: E402
@@ -96,8 +97,8 @@ def run_mode(sticky: bool, args: argparse.Namespace, chat: ChatFormat, gguf: Pat
     try:
         pool = ServerPool([ServerSpec(s.url) for s in servers], timeout=300, retries=1, sticky=sticky,
                           max_concurrency=args.concurrency)
-        policy = OpenAICompletionsPolicy(pool, "smollm2", chat, token_path="chat", temperature=1.0,
-                                         max_tokens=args.max_tokens,
+        policy = OpenAICompletionsPolicy(pool, "smollm2", chat, token_path="chat",
+                                         sampling=Sampling(temperature=1.0, max_tokens=args.max_tokens),
                                          extra_body=structured_output_fields("json_object"))
         player = Player(policy, chat, solve(Rules()))
 

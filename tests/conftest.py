@@ -35,8 +35,9 @@ def vocab_chat(gguf_path) -> ChatFormat:
 @pytest.fixture(scope="session")
 def embedded():
     from blackjack_rl.policies.embedded import EmbeddedPolicy
+    from blackjack_rl.policies.sampling import Sampling
 
-    policy = EmbeddedPolicy(max_tokens=48, n_ctx=1024)
+    policy = EmbeddedPolicy(sampling=Sampling(max_tokens=48), n_ctx=1024)
     yield policy
     policy._worker.shutdown(wait=True)
 
@@ -44,8 +45,9 @@ def embedded():
 @pytest.fixture(scope="session")
 def embedded_constrained():
     from blackjack_rl.policies.embedded import EmbeddedPolicy
+    from blackjack_rl.policies.sampling import Sampling
 
-    policy = EmbeddedPolicy(max_tokens=48, n_ctx=1024, constrained=True)
+    policy = EmbeddedPolicy(sampling=Sampling(max_tokens=48), n_ctx=1024, constrained=True)
     yield policy
     policy._worker.shutdown(wait=True)
 

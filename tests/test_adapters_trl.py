@@ -82,7 +82,7 @@ def smollm2(hf_tokenizer_dir):
     tokenizer rebuilt from the GGUF's vocabulary."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from blackjack_rl.train.model import load_model
+    from blackjack_rl.policies.torch.model import load_model
 
     model, _ = load_model(None)
     config = model.config

@@ -21,7 +21,7 @@ import pytest
 from conftest_api import ATROPOS_REGISTRATION, ServerProcess, atropos_register_env, make_group, uids
 
 from blackjack_rl.api import EnvClient, TrainerClient
-from blackjack_rl.api.client import RetryPolicy
+from blackjack_rl.retry import RetryPolicy
 from blackjack_rl.api.models import SCORED_DATA_FIELDS, RegisterEnv
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ from conftest_api import ATROPOS_REGISTRATION, atropos_register_env, make_group,
 from fastapi.testclient import TestClient
 
 from blackjack_rl.api import ApiConfig, ApiRejected, EnvClient, create_app
-from blackjack_rl.api.client import RetryPolicy
+from blackjack_rl.retry import RetryPolicy
 from blackjack_rl.api.models import SCORED_DATA_FIELDS, RegisterEnv
 
 

@@ -14,6 +14,7 @@ from blackjack_rl.groups import Player, play_group
 from blackjack_rl.policies.base import InferenceError, Turn
 from blackjack_rl.policies.openai_completions import CHAT_PATH, COMPLETIONS_PATH, OpenAICompletionsPolicy
 from blackjack_rl.policies.pool import ServerPool, ServerSpec
+from blackjack_rl.policies.sampling import Sampling
 from blackjack_rl.tokens import MASKED, ChatFormat, HFTokenizer, trained_spans
 from mock_openai_server import MockServer, blackjack_answers, write_config
 
@@ -38,7 +39,7 @@ def fresh(mock):
 def policy_for(urls, chat, *, model="mock", max_tokens=48, token_path="auto", **pool_args):
     pool_args.setdefault("timeout", 10.0)
     pool = ServerPool([ServerSpec(u) for u in urls], **pool_args)
-    return OpenAICompletionsPolicy(pool, model, chat, max_tokens=max_tokens, token_path=token_path)
+    return OpenAICompletionsPolicy(pool, model, chat, sampling=Sampling(max_tokens=max_tokens), token_path=token_path)
 
 
 def play_groups(policy, chat, solution, seeds, group_size):
@@ -217,7 +218,7 @@ def test_llama_cpp_server_completion_answers(vocab_chat):
 def test_request_bodies_state_a_neutral_sampler(vocab_chat):
     """Servers apply their own defaults (vLLM the model's generation_config, llama-server
     top_k 40 / min_p 0.05) unless told otherwise; the trainer must know the distribution."""
-    from blackjack_rl.policies.openai_completions import APIS, Sampling
+    from blackjack_rl.policies.openai_completions import APIS
 
     vllm = APIS["vllm"].body("m", [1, 2], 16, 7, Sampling())
     assert vllm["prompt"] == [1, 2] and vllm["n"] == 16 and vllm["seed"] == 7
@@ -238,7 +239,7 @@ def test_request_bodies_state_a_neutral_sampler(vocab_chat):
 def test_llama_cpp_python_cannot_return_token_ids_so_chat_is_used(llama_server, hf_tokenizer_dir, api):
     chat = ChatFormat.learn(HFTokenizer(str(hf_tokenizer_dir)))
     pool = ServerPool([ServerSpec(llama_server)], timeout=60)
-    policy = OpenAICompletionsPolicy(pool, "smollm2", chat, api=api, max_tokens=24)
+    policy = OpenAICompletionsPolicy(pool, "smollm2", chat, api=api, sampling=Sampling(max_tokens=24))
 
     async def main():
         try:
@@ -256,7 +257,7 @@ def test_llama_cpp_python_cannot_return_token_ids_so_chat_is_used(llama_server, 
 def test_groups_through_llama_cpp_python_record_the_chat_path(llama_server, hf_tokenizer_dir, solution):
     chat = ChatFormat.learn(HFTokenizer(str(hf_tokenizer_dir)))
     pool = ServerPool([ServerSpec(llama_server)], timeout=60, max_concurrency=1)
-    policy = OpenAICompletionsPolicy(pool, "smollm2", chat, max_tokens=24)
+    policy = OpenAICompletionsPolicy(pool, "smollm2", chat, sampling=Sampling(max_tokens=24))
     (result,) = play_groups(policy, chat, solution, [5], 3)  # the server ignores n: topped up
     assert not any(ep.failed for ep in result.episodes), [ep.error for ep in result.episodes]
     assert result.group["generation_params"]["token_path"] == CHAT_PATH
@@ -274,7 +275,7 @@ def test_servers_come_from_repeated_flags_or_yaml(tmp_path, gguf_path):
     from blackjack_rl.cli import build_parser, settings_from_args
     from blackjack_rl.config import load_settings
     from blackjack_rl.policies.openai_chat import OpenAIChatPolicy
-    from blackjack_rl.runner import build_player
+    from blackjack_rl.players import build_player
 
     base = ["evaluate", "--policy", "openai", "--model", "m", "--tokenizer", str(gguf_path)]
     args = build_parser().parse_args(base + ["--server", "http://127.0.0.1:9/v1,3", "--server", "http://127.0.0.1:8/v1",

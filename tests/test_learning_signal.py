@@ -342,8 +342,8 @@ def test_a_peft_adapter_plays_the_same_in_llama_cpp(tmp_path, gguf_path):
     quantized model the way it moves the torch model."""
     torch = pytest.importorskip("torch", reason="needs the train extra")
     from blackjack_rl.policies.embedded import EmbeddedPolicy
-    from blackjack_rl.train.model import add_lora, load_model, save_adapter
-    from blackjack_rl.train.policy import TorchPolicy
+    from blackjack_rl.policies.torch.model import add_lora, load_model, save_adapter
+    from blackjack_rl.policies.torch.policy import TorchPolicy
 
     model, tokenizer = load_model(None)
     base = TorchPolicy(model, tokenizer, threads=1)
@@ -357,7 +357,7 @@ def test_a_peft_adapter_plays_the_same_in_llama_cpp(tmp_path, gguf_path):
             if "lora_B" in name:
                 p.normal_(0.0, 0.08)
     save_adapter(lora, tokenizer, tmp_path / "adapter", None)
-    from blackjack_rl.train.model import export_model
+    from blackjack_rl.policies.torch.model import export_model
 
     # the model dequantized from the GGUF saves as a plain model (transformers marks it as quantized)
     assert (export_model(lora, tokenizer, tmp_path / "merged") / "model.safetensors").is_file()

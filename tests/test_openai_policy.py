@@ -15,6 +15,7 @@ from blackjack_rl.policies.base import InferenceError, Turn
 from blackjack_rl.policies.openai_chat import OpenAIChatPolicy
 from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy
 from blackjack_rl.policies.pool import ServerPool, ServerSpec
+from blackjack_rl.policies.sampling import Sampling
 from blackjack_rl.protocol import HIT, tool_call_text
 from blackjack_rl.tokens import ChatFormat, HFTokenizer, trained_spans
 from canned_server import CannedServer, chat_answer
@@ -23,7 +24,7 @@ from conftest import free_port
 @pytest.mark.embedded
 def test_episodes_through_a_real_chat_server(llama_server, hf_tokenizer_dir, solution):
     chat = ChatFormat.learn(HFTokenizer(str(hf_tokenizer_dir)))
-    policy = OpenAIChatPolicy(llama_server, "smollm2", max_tokens=32, temperature=1.0, timeout=60)
+    policy = OpenAIChatPolicy(llama_server, "smollm2", sampling=Sampling(temperature=1.0, max_tokens=32), timeout=60)
 
     async def main():
         try:
@@ -57,7 +58,7 @@ def test_unreachable_server_is_an_inference_failure_not_a_result(solution, vocab
 def test_client_errors_are_not_retried(status):
     """Counted, not timed: a 4xx is asked once, however many retries are allowed."""
     with CannedServer({"error": {"message": "no such route"}}, status=status) as server:
-        policy = OpenAIChatPolicy(server.url, "m", retries=3, max_tokens=4)
+        policy = OpenAIChatPolicy(server.url, "m", retries=3, sampling=Sampling(max_tokens=4))
 
         async def main():
             try:

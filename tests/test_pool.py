@@ -16,6 +16,7 @@ from blackjack_rl.groups import Player, play_group
 from blackjack_rl.policies.base import InferenceError, Turn
 from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy
 from blackjack_rl.policies.pool import NoHealthyServer, ServerPool, ServerSpec
+from blackjack_rl.policies.sampling import Sampling
 from mock_openai_server import MockServer, blackjack_answers, free_port, write_config
 
 pytestmark = pytest.mark.timeout(180)
@@ -52,7 +53,8 @@ def make(urls, chat, **pool_args):
     pool_args.setdefault("timeout", 10.0)
     pool_args.setdefault("backoff_s", 0.01)
     specs = [u if isinstance(u, ServerSpec) else ServerSpec(u) for u in urls]
-    return OpenAICompletionsPolicy(ServerPool(specs, **pool_args), "mock", chat, max_tokens=48, token_path="completions")
+    return OpenAICompletionsPolicy(ServerPool(specs, **pool_args), "mock", chat, sampling=Sampling(max_tokens=48),
+                                   token_path="completions")
 
 
 def run(coro, limit=60):

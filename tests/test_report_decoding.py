@@ -11,13 +11,10 @@ import pytest
 
 from blackjack_rl.episode import play_episode
 from blackjack_rl.game import Rules, Table
-from blackjack_rl.policies.openai_chat import (
-    CALL_SCHEMA,
-    STRUCTURED_OUTPUT_MODES,
-    OpenAIChatPolicy,
-    structured_output_fields,
-)
+from blackjack_rl.policies.openai_chat import OpenAIChatPolicy
+from blackjack_rl.policies.structured import CALL_SCHEMA, STRUCTURED_OUTPUT_MODES, structured_output_fields
 from blackjack_rl.protocol import parse_action
+from blackjack_rl.policies.sampling import Sampling
 from blackjack_rl.report.modes import decoding_mode
 from canned_server import CannedServer, chat_answer
 
@@ -80,7 +77,8 @@ def test_structured_output_reaches_the_server_and_is_reported(mode, solution, vo
 @pytest.mark.embedded
 def test_a_real_server_constrained_by_schema_only_answers_valid_calls(llama_server, solution, vocab_chat):
     """llama-cpp-python's server takes `response_format: json_object` with a schema and turns it into a grammar."""
-    policy = OpenAIChatPolicy(llama_server, "smollm2", max_tokens=48, structured_output="json_object", timeout=60)
+    policy = OpenAIChatPolicy(llama_server, "smollm2", sampling=Sampling(max_tokens=48), structured_output="json_object",
+                              timeout=60)
 
     async def main():
         try:

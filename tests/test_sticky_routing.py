@@ -17,6 +17,7 @@ from blackjack_rl.evaluate import run_evaluation
 from blackjack_rl.groups import Player, play_group
 from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy
 from blackjack_rl.policies.pool import ServerPool, ServerSpec, affinity_key, rendezvous_order
+from blackjack_rl.policies.sampling import Sampling
 from mock_openai_server import MockServer, blackjack_answers, write_config
 
 pytestmark = pytest.mark.timeout(180)
@@ -40,7 +41,7 @@ def play(servers, chat, solution, sticky: bool, fault: dict | None = None, **poo
         servers[0].control(**fault)
     pool_args.setdefault("timeout", 10.0)
     pool = ServerPool([ServerSpec(s.url) for s in servers], backoff_s=0.01, sticky=sticky, **pool_args)
-    policy = OpenAICompletionsPolicy(pool, "mock", chat, max_tokens=48, token_path="completions")
+    policy = OpenAICompletionsPolicy(pool, "mock", chat, sampling=Sampling(max_tokens=48), token_path="completions")
     player = Player(policy, chat, solution)
 
     async def main():
@@ -117,7 +118,7 @@ def test_the_key_is_the_first_user_message():
 @pytest.mark.parametrize("flags, sticky", [([], True), (["--no-sticky"], False)])
 def test_the_command_line_switches_stickiness(flags, sticky, gguf_path):
     from blackjack_rl.cli import build_parser, settings_from_args
-    from blackjack_rl.runner import build_player
+    from blackjack_rl.players import build_player
 
     args = build_parser().parse_args(["evaluate", "--policy", "openai", "--model", "m", "--server",
                                       "http://127.0.0.1:9/v1", "--token-path", "completions", "--tokenizer",

@@ -26,11 +26,13 @@ from blackjack_rl.groups import Player  # noqa: E402
 from blackjack_rl.protocol import HIT, tool_call_text  # noqa: E402
 from blackjack_rl.solver import solve  # noqa: E402
 from blackjack_rl.tokens import MASKED, ChatFormat, HFTokenizer, trained_spans  # noqa: E402
-from blackjack_rl.train.forward import RowCache, forward_rows, run_prefix  # noqa: E402
-from blackjack_rl.train.grpo import LossConfig, group_advantages, token_logprobs, trained_targets  # noqa: E402
+from blackjack_rl.policies.torch.forward import RowCache, forward_rows, run_prefix  # noqa: E402
+from blackjack_rl.policies.torch.logprobs import token_logprobs  # noqa: E402
+from blackjack_rl.train.grpo import LossConfig, group_advantages, trained_targets  # noqa: E402
 from blackjack_rl.train.loop import make_trainable, optimize  # noqa: E402
-from blackjack_rl.train.model import build_hf_tokenizer, load_model  # noqa: E402
-from blackjack_rl.train.policy import TorchPolicy  # noqa: E402
+from blackjack_rl.policies.torch.model import build_hf_tokenizer, load_model  # noqa: E402
+from blackjack_rl.policies.torch.policy import TorchPolicy  # noqa: E402
+from blackjack_rl.policies.sampling import Sampling  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -54,7 +56,7 @@ def tiny_model_dir(tmp_path_factory, gguf_path) -> Path:
 
 @pytest.fixture()
 def tiny_policy(tiny_model_dir) -> TorchPolicy:
-    return TorchPolicy.load(tiny_model_dir, temperature=1.0, max_tokens=10, threads=1)
+    return TorchPolicy.load(tiny_model_dir, sampling=Sampling(temperature=1.0, max_tokens=10), threads=1)
 
 
 def test_tokenizer_rebuilt_from_the_gguf_gives_llama_cpps_ids(gguf_path, tmp_path, vocab_chat):

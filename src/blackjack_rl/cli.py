@@ -139,7 +139,7 @@ def _with_player(settings, job):
     """Build the player the settings describe, run `job(player)`, and always close the policy."""
     import asyncio
 
-    from .runner import build_player
+    from .players import build_player
 
     player = build_player(settings)
 

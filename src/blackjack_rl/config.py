@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettin
 
 if TYPE_CHECKING:  # game.py imports Gymnasium, which the command line's help and `api` do not need
     from .game import Rules
+from .policies.structured import StructuredOutput
 
 PolicyKind = Literal["embedded", "openai", "optimal", "threshold", "random", "hf"]
 
@@ -90,7 +91,7 @@ class PolicyConfig(_Section):
         False, description="constrained decoding, every answer a valid call: a token-level constraint to the two "
                            "valid answers (embedded) or the server's structured output (openai, see "
                            "--structured-output); for play and evaluation")
-    structured_output: Literal["json_schema", "json_object", "structured_outputs", "guided_json", "tool_choice"] = Field(
+    structured_output: StructuredOutput = Field(
         "json_schema", description="how --constrained asks a chat server for structured output "
                                    "(json_schema: OpenAI/vLLM/SGLang/llama-server; json_object: llama-cpp-python; "
                                    "structured_outputs, guided_json: vLLM new/old; tool_choice: forced tool call)"

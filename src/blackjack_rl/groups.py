@@ -13,7 +13,7 @@ from typing import Any, TypedDict
 
 from .episode import Episode, EpisodeSettings, opening_messages, play_episode, sampling_seed
 from .game import Rules, Table
-from .policies.base import Policy, Reply, Turn
+from .policies.base import Policy, Reply, Turn, answers_at_once
 from .credit import (
     AnswerCredit,
     action_char_span,
@@ -86,9 +86,8 @@ class Player:
         Every episode of a group opens on the same prompt, so a server that honours
         `n` prefills it once. A failure here is not fatal: episodes then ask one by one.
         """
-        respond_many = getattr(self.policy, "respond_many", None)
-        if respond_many is None or n < 2:
-            return [None] * n
+        if getattr(self.policy, "respond_many", None) is None or n < 2:
+            return [None] * n  # without dealing the table
         table = self.tables.acquire()
         try:
             obs = table.reset(seed)
@@ -97,11 +96,8 @@ class Player:
             self.tables.release(table)
         messages = opening_messages(obs, self.settings.thinking)
         turn = Turn(messages, self.chat.prompt_ids(messages), obs, natural, sampling_seed(seed, 0, 0))
-        try:
-            replies = await respond_many(turn, n)
-        except Exception:  # noqa: BLE001 - fall back to per-episode requests, which report their own failures
-            return [None] * n
-        return list(replies) if len(replies) == n else [None] * n
+        replies = await answers_at_once(self.policy, turn, n)
+        return replies if replies is not None else [None] * n
 
 
 @dataclass
@@ -192,6 +188,6 @@ def pack_group(episodes: list[Episode], generation_params: dict[str, Any]) -> Sc
 def _prompt_length(ep: Episode) -> int:
     masks = ep.trajectory.masks
     for i, m in enumerate(masks):
-        if m != -100:
+        if m != MASKED:
             return i
     return len(masks)

@@ -1,4 +1,4 @@
-"""Turns settings into a Player and runs the jobs that write files: process and evaluate."""
+"""The jobs that write files: process and evaluate (their player comes from players.build_player)."""
 
 from __future__ import annotations
 
@@ -13,113 +13,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from tqdm import tqdm
 
 from .config import Settings
-from .episode import Episode, EpisodeSettings
+from .episode import Episode
 from .evaluate import compute_metrics, run_evaluation
 from .deals import play_deal
 from .groups import GroupResult, Player
 from .outputs import prepare_folder, write_text, writing
-from .solver import solve
-from .tokens import ChatFormat, HFTokenizer, LlamaCppTokenizer, embedded_model_path
-
-
-def build_player(settings: Settings) -> Player:
-    p = settings.policy
-    e = settings.episode
-    if p.lora and p.kind != "embedded":
-        raise ValueError("--lora applies an adapter to the embedded llama.cpp model; for --policy hf pass the "
-                         "adapter folder as --model-path")
-    solution = solve(settings.game.rules)
-    # Thinking turns get the reasoning budget on top of the answer's.
-    max_new = p.max_tokens + (e.think_budget if e.thinking else 0)
-    if p.kind == "hf":
-        from .train.policy import TorchPolicy  # needs the `train` extra (torch)
-
-        policy = TorchPolicy.load(
-            p.model_path, temperature=p.temperature, max_tokens=max_new, threads=p.n_threads,
-            max_batch=settings.evaluate.concurrency,
-        )
-        chat = policy.chat
-    elif p.kind == "embedded":
-        from .policies.embedded import EmbeddedPolicy
-
-        policy = EmbeddedPolicy(
-            p.model_path,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            min_p=p.min_p,
-            max_tokens=max_new,
-            n_ctx=p.n_ctx or settings.episode.max_token_length,
-            n_threads=p.n_threads,
-            lora_path=p.lora,
-            constrained=p.constrained,
-        )
-        chat = policy.chat
-    else:
-        chat = ChatFormat.learn(_tokenizer_for(settings))
-        if p.kind == "openai" and (p.servers or p.token_path is not None):
-            policy = _pooled_policy(settings, chat, max_new)
-        elif p.kind == "openai":
-            from .policies.openai_chat import OpenAIChatPolicy
-
-            policy = OpenAIChatPolicy(
-                p.base_url,
-                p.model or "",
-                api_key=p.api_key,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                max_tokens=max_new,
-                timeout=p.timeout,
-                retries=p.retries,
-                native_tools=p.native_tools,
-                structured_output=p.structured_output if p.constrained else None,
-            )
-        else:
-            from .policies.bots import OptimalBot, RandomBot, ThresholdBot
-
-            policy = {
-                "optimal": lambda: OptimalBot(solution),
-                "threshold": lambda: ThresholdBot(p.threshold),
-                "random": lambda: RandomBot(),
-            }[p.kind]()
-    episode = EpisodeSettings(
-        invalid_score=e.invalid_score,
-        max_turns=settings.game.max_turns,
-        max_token_length=e.max_token_length,
-        max_new_tokens=max_new,
-        thinking=e.thinking,
-        scoring=e.scoring,
-        format_bonus=e.format_bonus,
-        invalid_retries=e.invalid_retries,
-    )
-    return Player(policy, chat, solution, episode)
-
-
-def _pooled_policy(settings: Settings, chat: ChatFormat, max_new: int):
-    """Servers from `policy.servers` (or `base_url` alone), token ids when they can return them."""
-    from .policies.openai_completions import OpenAICompletionsPolicy
-    from .policies.pool import ServerPool, ServerSpec
-
-    p = settings.policy
-    specs = [ServerSpec(s.url, s.weight, s.max_concurrency) for s in p.servers] or [ServerSpec(p.base_url)]
-    pool = ServerPool(specs, api_key=p.api_key, timeout=p.timeout, retries=p.retries,
-                      max_concurrency=p.max_concurrency_per_server, sticky=p.sticky)
-    return OpenAICompletionsPolicy(
-        pool, p.model or "", chat, api=p.server_api, token_path=p.token_path or "auto",
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, max_tokens=max_new,
-        native_tools=p.native_tools,
-    )
-
-
-def _tokenizer_for(settings: Settings):
-    """Bots are tokenized like the embedded model unless told otherwise; servers by their own tokenizer."""
-    p = settings.policy
-    name = p.tokenizer or (p.model if p.kind == "openai" else None)
-    if name is None:
-        return LlamaCppTokenizer.from_gguf(p.model_path or embedded_model_path())
-    if name.endswith(".gguf"):
-        return LlamaCppTokenizer.from_gguf(name)
-    return HFTokenizer(name)
 
 
 def group_seeds(seed: int, n: int) -> list[int]:

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .api.client import ApiUnavailable, EnvClient, RetryPolicy
+from .api.client import ApiUnavailable, EnvClient
 from .api.models import RegisterEnv
+from .retry import RetryPolicy
 from .config import Settings
 from .evaluate import compute_metrics, run_evaluation
 from .deals import play_deal

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .game import Observation, Rules
-
-HIT, STICK = 1, 0
+from .protocol import HIT, STICK
 DEALER_CARDS = tuple(range(1, 11))
 HARD_SUMS = tuple(range(4, 22))
 SOFT_SUMS = tuple(range(12, 22))

@@ -50,7 +50,7 @@ from .credit import (
 from .env import BlackjackEnv
 from .episode import sampling_seed, without_thoughts
 from .groups import GroupResult, Player, ScoredDataGroup
-from .policies.base import InferenceError, Reply, Turn
+from .policies.base import Reply, Turn, answers_at_once
 from .protocol import ACTION_NAMES, HIT, STICK, parse_action, tool_call_text
 from .tokens import MASKED, Trajectory
 
@@ -71,14 +71,9 @@ class StepDeal:
 
 
 async def _sample(player: Player, turn: Turn, n: int, limiter: asyncio.Semaphore | None) -> list[Reply]:
-    respond_many = getattr(player.policy, "respond_many", None)
-    if respond_many is not None and n > 1:
-        try:
-            replies = list(await respond_many(turn, n))
-            if len(replies) == n:
-                return replies
-        except InferenceError:
-            pass  # fall back to one request per answer, which reports its own failures
+    replies = await answers_at_once(player.policy, turn, n)
+    if replies is not None:
+        return replies
 
     async def one(i: int) -> Reply:
         t = Turn(turn.messages, turn.prompt_ids, turn.observation, turn.natural, sampling_seed(turn.seed, i, 0))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import random
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -23,6 +22,8 @@ from typing import Any
 import httpx
 import pydantic_core
 
+from ..httpclient import http_client
+from ..retry import RetriesExhausted, Retryable, RetryPolicy, retry_after_seconds, retry_async, retry_sync
 from .models import (
     Registration,
     RegisterEnv,
@@ -49,19 +50,6 @@ class ApiUnavailable(Exception):
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
-    """Jittered exponential backoff: attempt n waits up to base * 2**(n-1), capped."""
-
-    attempts: int = 8
-    base_delay_s: float = 0.2
-    max_delay_s: float = 10.0
-    max_elapsed_s: float = 120.0
-
-    def backoff(self, attempt: int) -> float:
-        return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1)))
-
-
-@dataclass(frozen=True)
 class SendResult:
     """What became of groups handed to `EnvClient.submit`."""
 
@@ -80,14 +68,14 @@ def _detail(response: httpx.Response) -> str:
     return str(body)[:500]
 
 
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None
+def _checked(response: httpx.Response, method: str, path: str) -> httpx.Response:
+    """The response when it succeeded; ApiRejected for a refusal; Retryable for 429, 503 and 5xx."""
+    status = response.status_code
+    if status < 400:
+        return response
+    if status not in (429, 503) and status < 500:
+        raise ApiRejected(status, _detail(response), method, path)
+    raise Retryable(f"{status}: {_detail(response)}", retry_after_seconds(response.headers.get("retry-after")))
 
 
 def _json_fallback(value: Any) -> Any:
@@ -118,8 +106,7 @@ class EnvClient:
         park_after: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, transport=transport)
+        self._http = http_client(base_url, token=token, timeout=timeout_s, transport=transport)
         self.retry = retry or RetryPolicy()
         # submit() gives up sooner than send_groups(): a worker should park and keep playing.
         self.park_after = park_after or RetryPolicy(attempts=3, max_elapsed_s=5.0)
@@ -143,28 +130,17 @@ class EnvClient:
     async def _request(
         self, method: str, path: str, *, retry: RetryPolicy | None = None, **kwargs: Any
     ) -> httpx.Response:
-        policy = retry or self.retry
-        started = time.monotonic()
-        problem = ""
-        for attempt in range(1, policy.attempts + 1):
-            try:
-                response = await self._http.request(method, path, **kwargs)
-            except httpx.TransportError as exc:  # connection refused/reset, timeouts
-                problem = f"{type(exc).__name__}: {exc}"
-                wait = policy.backoff(attempt)
-            else:
-                status = response.status_code
-                if status < 400:
-                    return response
-                if status not in (429, 503) and status < 500:
-                    raise ApiRejected(status, _detail(response), method, path)
-                problem = f"{status}: {_detail(response)}"
-                hinted = _retry_after(response)
-                wait = hinted + random.uniform(0, 0.1 * hinted + 0.05) if hinted is not None else policy.backoff(attempt)
-            if attempt == policy.attempts or time.monotonic() - started + wait > policy.max_elapsed_s:
-                break
-            await asyncio.sleep(wait)
-        raise ApiUnavailable(f"{method} {path} failed after {attempt} attempts; last problem: {problem}")
+        try:
+            return await retry_async(retry or self.retry, lambda _: self._attempt(method, path, **kwargs))
+        except RetriesExhausted as exc:
+            raise ApiUnavailable(f"{method} {path} {exc}") from None
+
+    async def _attempt(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:  # connection refused/reset, timeouts
+            raise Retryable(f"{type(exc).__name__}: {exc}") from None
+        return _checked(response, method, path)
 
     # --- environment protocol -------------------------------------------------------------
 
@@ -305,8 +281,7 @@ class TrainerClient:
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s, transport=transport)
+        self._http = http_client(base_url, token=token, timeout=timeout_s, transport=transport, sync=True)
         self.retry = retry or RetryPolicy()
         self.last_batch_id: int | None = None
 
@@ -320,24 +295,17 @@ class TrainerClient:
         self._http.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        policy = self.retry
-        problem = ""
-        for attempt in range(1, policy.attempts + 1):
+        def attempt(_: int) -> httpx.Response:
             try:
                 response = self._http.request(method, path, **kwargs)
             except httpx.TransportError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-                wait = policy.backoff(attempt)
-            else:
-                if response.status_code < 400:
-                    return response
-                if response.status_code not in (429, 503) and response.status_code < 500:
-                    raise ApiRejected(response.status_code, _detail(response), method, path)
-                problem = f"{response.status_code}: {_detail(response)}"
-                wait = _retry_after(response) or policy.backoff(attempt)
-            if attempt < policy.attempts:
-                time.sleep(wait)
-        raise ApiUnavailable(f"{method} {path} failed after {policy.attempts} attempts; last problem: {problem}")
+                raise Retryable(f"{type(exc).__name__}: {exc}") from None
+            return _checked(response, method, path)
+
+        try:
+            return retry_sync(self.retry, attempt)
+        except RetriesExhausted as exc:
+            raise ApiUnavailable(f"{method} {path} {exc}") from None
 
     def register(self, registration: Registration | Mapping[str, Any]) -> int:
         payload = registration.model_dump() if isinstance(registration, Registration) else dict(registration)

@@ -25,6 +25,7 @@ import msgspec
 import pydantic_core
 from pydantic import TypeAdapter, ValidationError
 
+from ..tokens import MASKED
 from .batching import divisors_text
 from .body import gunzip_limited
 from .errors import ApiError
@@ -44,7 +45,6 @@ _RAW_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ANY = msgspec.json.Decoder()
 _KNOWN_FIELDS = frozenset(SCORED_DATA_FIELDS)
 _LOOSE_FIELDS = ("messages", "generation_params", "overrides", "group_overrides", "images")
-_MASKED = -100
 _SHOWN_ERRORS = 4
 
 
@@ -292,11 +292,11 @@ def _check_mask(i: int, seq: list[int], mask: list[int]) -> None:
     # Fast path for the usual shape: masked prompt, then the trained tokens themselves.
     # Token ids are >= 0, so if the tail after `masked` positions equals the tokens, all
     # the -100s are in the head, which is then entirely -100.
-    masked = mask.count(_MASKED)
+    masked = mask.count(MASKED)
     if mask[masked:] == seq[masked:]:
         return
     for j, (m, t) in enumerate(zip(mask, seq)):
-        if m != _MASKED and m != t:
+        if m != MASKED and m != t:
             raise ApiError(
                 422,
                 f"masks[{i}][{j}] is {m}: a mask is -100 (not trained) or the token id at that position ({t})",

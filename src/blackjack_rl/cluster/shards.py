@@ -42,7 +42,7 @@ class ShardPlayer:
     """One Ray actor: a player built from the run's settings, playing shards on request."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        from ..runner import build_player
+        from ..players import build_player
 
         self.settings = Settings(**settings)
         self.player = build_player(self.settings)

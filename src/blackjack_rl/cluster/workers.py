@@ -52,7 +52,7 @@ class ServeWorker:
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def run(self) -> ServeStats:
-        from ..runner import build_player
+        from ..players import build_player
         from ..serve import serve
 
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -57,3 +57,17 @@ class Policy(Protocol):
     async def respond(self, turn: Turn) -> Reply: ...
 
     async def aclose(self) -> None: ...
+
+
+async def answers_at_once(policy: Policy, turn: Turn, n: int) -> list[Reply] | None:
+    """n answers to one prompt in one request (`respond_many`, one prefill on a server that
+    honours `n`), or None when the policy cannot, answers short, or fails: the caller then asks
+    one by one, and each of those requests reports its own failure."""
+    respond_many = getattr(policy, "respond_many", None)
+    if respond_many is None or n < 2:
+        return None
+    try:
+        replies = list(await respond_many(turn, n))
+    except InferenceError:
+        return None
+    return replies if len(replies) == n else None

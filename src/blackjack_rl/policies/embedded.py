@@ -16,6 +16,7 @@ import numpy as np
 from ..protocol import ACTION_NAMES, tool_call_text
 from ..tokens import ChatFormat, LlamaCppTokenizer, common_prefix_length, embedded_model_path
 from .base import InferenceError, Reply, Turn
+from .sampling import Sampling
 from .threads import ThreadChooser, usable_cpus
 
 # Constrained decoding: the only valid answers are these two texts, followed by the
@@ -37,11 +38,7 @@ class EmbeddedPolicy:
         self,
         model_path: str | Path | None = None,
         *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        max_tokens: int = 64,
+        sampling: Sampling = Sampling(),
         n_ctx: int = 2048,
         n_threads: int | None = None,
         constrained: bool = False,
@@ -52,8 +49,8 @@ class EmbeddedPolicy:
         self.model_path = Path(model_path) if model_path else embedded_model_path()
         if not self.model_path.is_file():
             raise FileNotFoundError(f"no GGUF model at {self.model_path}")
-        self.temperature, self.top_p, self.top_k, self.min_p = temperature, top_p, top_k, min_p
-        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.temperature, self.max_tokens = sampling.temperature, sampling.max_tokens
         self.constrained = constrained
         self.llama = Llama(
             model_path=str(self.model_path),
@@ -84,9 +81,9 @@ class EmbeddedPolicy:
             "model": self.model_path.name,
             "lora": str(self.lora) if self.lora else None,
             "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
+            "top_p": self.sampling.top_p,
+            "top_k": self.sampling.top_k,
+            "min_p": self.sampling.min_p,
             "max_tokens": self.max_tokens,
             "constrained": self.constrained,
             "logprobs": "model log-softmax at temperature 1 of each sampled token",
@@ -197,9 +194,9 @@ class EmbeddedPolicy:
         for tok in llama.generate(
             prompt_ids,
             temp=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            top_p=self.sampling.top_p,
+            top_k=self.sampling.top_k,
+            min_p=self.sampling.min_p,
             repeat_penalty=1.0,
         ):
             ids.append(int(tok))
@@ -306,7 +303,7 @@ def _gguf_adapter(path: Path, model_path: Path) -> Path:
     source = path / "adapter_model.safetensors"
     if not converted.is_file() or converted.stat().st_mtime < source.stat().st_mtime:
         try:
-            from ..train.gguf_lora import export_gguf_lora
+            from .gguf_lora import export_gguf_lora
         except ImportError as exc:
             raise ImportError("converting a peft adapter needs the train extra: pip install 'blackjack-rl[train]'") from exc
         export_gguf_lora(path, converted, model_path)

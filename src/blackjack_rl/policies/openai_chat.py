@@ -13,57 +13,32 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from typing import Any
 
 import aiohttp
 
-from ..protocol import ACTION_NAMES, TOOL_NAME, TOOLS
+from ..protocol import TOOLS
+from ..retry import RetriesExhausted, Retryable, RetryPolicy, retry_after_seconds, retry_async
 from .base import InferenceError, Reply, Turn
+from .sampling import Sampling
+from .structured import structured_output_fields
 
 _RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
-# The one answer a constrained server may give: a take_action call as a bare JSON object,
-# which the parser accepts as readily as the <tool_call> form.
-CALL_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "enum": [TOOL_NAME]},
-        "arguments": {
-            "type": "object",
-            "properties": {"action": {"type": "string", "enum": list(ACTION_NAMES.values())}},
-            "required": ["action"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "arguments"],
-    "additionalProperties": False,
-}
+def chat_sampling(s: Sampling) -> dict[str, Any]:
+    """The sampling fields of a chat-completions body, also recorded in `generation_params`.
 
-# How each kind of server is asked for structured output (request fields, from each server's docs).
-STRUCTURED_OUTPUT_MODES = ("json_schema", "json_object", "structured_outputs", "guided_json", "tool_choice")
-
-
-def structured_output_fields(mode: str) -> dict[str, Any]:
-    """Request fields that make a server emit only a valid call.
-
-    json_schema: OpenAI's `response_format` (OpenAI, vLLM, SGLang, llama.cpp's llama-server);
-    json_object: `response_format` type json_object with a `schema` (llama-cpp-python's server);
-    structured_outputs: vLLM >= 0.10 `structured_outputs.json`; guided_json: older vLLM;
-    tool_choice: a forced call of the named tool (needs native tools on the server).
+    top_k and min_p are not OpenAI fields, but vLLM, SGLang and llama.cpp's servers take them
+    in the same body; they are sent only when set, so a hosted API that refuses unknown fields
+    is never sent them unasked, and a run that does not use them records what it did before.
     """
-    if mode == "json_schema":
-        return {"response_format": {"type": "json_schema",
-                                    "json_schema": {"name": TOOL_NAME, "strict": True, "schema": CALL_SCHEMA}}}
-    if mode == "json_object":
-        return {"response_format": {"type": "json_object", "schema": CALL_SCHEMA}}
-    if mode == "structured_outputs":
-        return {"structured_outputs": {"json": CALL_SCHEMA}}
-    if mode == "guided_json":
-        return {"guided_json": CALL_SCHEMA}
-    if mode == "tool_choice":
-        return {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": TOOL_NAME}}}
-    raise ValueError(f"unknown structured output mode {mode!r}; choose one of {', '.join(STRUCTURED_OUTPUT_MODES)}")
+    params: dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p}
+    if s.top_k > 0:
+        params["top_k"] = s.top_k
+    if s.min_p > 0:
+        params["min_p"] = s.min_p
+    params["max_tokens"] = s.max_tokens
+    return params
 
 
 class OpenAIChatPolicy:
@@ -75,9 +50,7 @@ class OpenAIChatPolicy:
         model: str,
         *,
         api_key: str | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_tokens: int = 64,
+        sampling: Sampling = Sampling(),
         timeout: float = 60.0,
         retries: int = 2,
         native_tools: bool = False,
@@ -88,10 +61,10 @@ class OpenAIChatPolicy:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.name = model
-        self.temperature, self.top_p, self.max_tokens = temperature, top_p, max_tokens
-        self.retries = retries
+        self.sampling = sampling
+        self.retry = RetryPolicy(attempts=retries + 1, base_delay_s=0.25, max_delay_s=8.0, max_elapsed_s=None)
         self.native_tools = native_tools
-        self.extra_body = extra_body or {}
+        self.extra_body = {**sampling.extra, **(extra_body or {})}
         # Constrained decoding for play and evaluation only: it changes what is sampled.
         self.structured_output = structured_output
         self._structured = structured_output_fields(structured_output) if structured_output else {}
@@ -112,9 +85,7 @@ class OpenAIChatPolicy:
             "policy": "openai",
             "model": self.model,
             "base_url": self.base_url,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "max_tokens": self.max_tokens,
+            **chat_sampling(self.sampling),
             "native_tools": self.native_tools,
             "constrained": bool(self.structured_output),
             "structured_output": self.structured_output,
@@ -125,9 +96,7 @@ class OpenAIChatPolicy:
         body: dict[str, Any] = {
             "model": self.model,
             "messages": list(turn.messages),
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "max_tokens": self.max_tokens,
+            **chat_sampling(self.sampling),
             "seed": turn.seed & 0x7FFFFFFF,
             "n": 1,
             **self.extra_body,
@@ -151,26 +120,27 @@ class OpenAIChatPolicy:
         url = self.base_url + path
         data = json.dumps(body, separators=(",", ":")).encode()
         session = self._open()
-        last_error = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(min(8.0, 0.25 * 2 ** (attempt - 1)) * (0.5 + random.random()))
+
+        async def attempt(_: int) -> dict[str, Any]:
             try:
                 async with session.post(url, data=data) as resp:
                     status, raw = resp.status, await resp.read()
+                    retry_after = retry_after_seconds(resp.headers.get("Retry-After"))
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
-                continue
+                raise Retryable(f"{type(exc).__name__}: {exc}") from None
             if status in _RETRYABLE_STATUS:
-                last_error = f"HTTP {status}: {_text(raw, 200)}"
-                continue
+                raise Retryable(f"HTTP {status}: {_text(raw, 200)}", retry_after if status in (429, 503) else None)
             if status >= 400:
                 raise InferenceError(f"{url} refused the request: HTTP {status}: {_text(raw, 300)}")
             try:
                 return json.loads(raw)
             except ValueError as exc:
                 raise InferenceError(f"{url} answered with invalid JSON: {_text(raw, 200)}") from exc
-        raise InferenceError(f"{url} failed after {self.retries + 1} attempts: {last_error}")
+
+        try:
+            return await retry_async(self.retry, attempt)
+        except RetriesExhausted as exc:
+            raise InferenceError(f"{url} failed after {exc.attempts} attempts: {exc.problem}") from None
 
     async def aclose(self) -> None:
         if self._session is not None and not self._session.closed:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, replace
 from itertools import repeat
 from typing import Any, Literal, Protocol, Sequence
 
@@ -35,8 +36,10 @@ import httpx
 from ..protocol import TOOLS
 from ..tokens import ChatFormat
 from .base import InferenceError, Reply, Turn
-from .openai_chat import chat_replies
+from .openai_chat import chat_replies, chat_sampling
 from .pool import ServerPool, affinity_key
+from .sampling import Sampling
+from .structured import CALL_SCHEMA, structured_output_fields
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +51,6 @@ ServerApi = Literal["vllm", "sglang", "llamacpp"]
 
 class MalformedAnswer(ValueError):
     """The server answered 200, but not with what its API documents."""
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: disabled
-    min_p: float = 0.0
-    max_tokens: int = 64
-    extra: dict[str, Any] = field(default_factory=dict)  # merged into every request body
 
 
 @dataclass(slots=True)
@@ -81,6 +74,10 @@ class TokenApi(Protocol):
 
     def samples(self, data: Any) -> list[Sample]: ...
 
+    def constraint(self, mode: str) -> dict[str, Any]:
+        """Request fields that let the model write only a valid call (`--constrained`)."""
+        ...
+
 
 class VLLMApi:
     name, path, supports_n = "vllm", "/v1/completions", True
@@ -103,6 +100,12 @@ class VLLMApi:
             "return_tokens_as_token_ids": True,
             **s.extra,
         }
+
+    def constraint(self, mode: str) -> dict[str, Any]:
+        # vLLM's completions endpoint takes the chat endpoint's structured-output fields, but has no tools.
+        if mode == "tool_choice":
+            raise ValueError("tool_choice forces a chat tool call: vLLM's /v1/completions has no tools")
+        return structured_output_fields(mode)
 
     def samples(self, data: Any) -> list[Sample]:
         out = []
@@ -147,6 +150,10 @@ class SGLangApi:
         body = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
         body.update({k: v for k, v in s.extra.items() if k != "sampling_params"})
         return body
+
+    def constraint(self, mode: str) -> dict[str, Any]:
+        # SGLang's native API has one way: a JSON schema, as a string, among the sampling parameters.
+        return {"sampling_params": {"json_schema": json.dumps(CALL_SCHEMA)}}
 
     def samples(self, data: Any) -> list[Sample]:
         items = data if isinstance(data, list) else [data]
@@ -199,6 +206,10 @@ class LlamaCppApi:
             **s.extra,
         }
 
+    def constraint(self, mode: str) -> dict[str, Any]:
+        # llama-server turns `json_schema` into a grammar.
+        return {"json_schema": CALL_SCHEMA}
+
     def samples(self, data: Any) -> list[Sample]:
         if not isinstance(data, dict):
             raise MalformedAnswer("the answer is not an object")
@@ -237,13 +248,10 @@ class OpenAICompletionsPolicy:
         *,
         api: ServerApi = "vllm",
         token_path: TokenPathSetting = "auto",
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        max_tokens: int = 64,
+        sampling: Sampling = Sampling(),
         native_tools: bool = False,
         extra_body: dict[str, Any] | None = None,
+        structured_output: str | None = None,
     ) -> None:
         if api not in APIS:
             raise ValueError(f"unknown server API {api!r}; choose one of {sorted(APIS)}")
@@ -254,7 +262,14 @@ class OpenAICompletionsPolicy:
         self.name = model
         self.chat = chat
         self.api: TokenApi = APIS[api]
-        self.sampling = Sampling(temperature, top_p, top_k, min_p, max_tokens, dict(extra_body or {}))
+        self.sampling = replace(sampling, extra={**sampling.extra, **(extra_body or {})})
+        # Constrained decoding for play and evaluation only: it changes what is sampled.
+        self.structured_output = structured_output
+        self._chat_constraint = structured_output_fields(structured_output) if structured_output else {}
+        self._token_sampling = self.sampling
+        if structured_output:
+            self._token_sampling = replace(self.sampling, extra={**self.api.constraint(structured_output),
+                                                                 **self.sampling.extra})
         self.native_tools = native_tools
         self.token_path_setting = token_path
         self._path: str | None = {"completions": COMPLETIONS_PATH, "chat": CHAT_PATH}.get(token_path)
@@ -272,7 +287,7 @@ class OpenAICompletionsPolicy:
 
     def generation_params(self) -> dict[str, Any]:
         path = self._path
-        return {
+        params = {
             "policy": "openai",
             "model": self.model,
             "servers": self.pool.urls,
@@ -288,6 +303,10 @@ class OpenAICompletionsPolicy:
             "logprobs": "server logprob of each sampled token" if path == COMPLETIONS_PATH
             else "unavailable on the chat-completions path (0.0 recorded)",
         }
+        if self.structured_output:
+            params["constrained"] = True
+            params["structured_output"] = self.structured_output if path != COMPLETIONS_PATH else f"{self.api.name} schema"
+        return params
 
     async def respond(self, turn: Turn) -> Reply:
         path = self._path or await self._decide_path()
@@ -319,7 +338,8 @@ class OpenAICompletionsPolicy:
 
     async def _complete(self, prompt_ids: Sequence[int], n: int, seed: int, key: str | None = None) -> list[Reply]:
         api = self.api
-        data = await self.pool.post(api.path, api.body(self.model, prompt_ids, n, seed & 0x7FFFFFFF, self.sampling), key)
+        data = await self.pool.post(api.path, api.body(self.model, prompt_ids, n, seed & 0x7FFFFFFF, self._token_sampling),
+                                    key)
         try:
             samples = api.samples(data)
         except MalformedAnswer as exc:
@@ -356,19 +376,17 @@ class OpenAICompletionsPolicy:
     # -- the chat-text path --------------------------------------------------------
 
     async def _chat(self, messages: Sequence[dict], n: int, seed: int, key: str | None = None) -> list[Reply]:
-        s = self.sampling
         body: dict[str, Any] = {
             "model": self.model,
             "messages": list(messages),
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "max_tokens": s.max_tokens,
+            **chat_sampling(self.sampling),
             "seed": seed & 0x7FFFFFFF,
             "n": n,
-            **s.extra,
+            **self.sampling.extra,
         }
         if self.native_tools:
             body["tools"] = TOOLS
+        body.update(self._chat_constraint)
         data = await self.pool.post("/v1/chat/completions", body, key)
         return chat_replies(data, "/v1/chat/completions")
 

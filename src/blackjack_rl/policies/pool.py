@@ -32,7 +32,6 @@ import hashlib
 import json
 import logging
 import math
-import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -40,6 +39,8 @@ from typing import Any, Iterable, Sequence
 import httpcore
 import httpx
 
+from ..httpclient import http_client
+from ..retry import RetriesExhausted, Retryable, RetryPolicy, retry_after_seconds, retry_async
 from .base import InferenceError
 
 log = logging.getLogger(__name__)
@@ -188,23 +189,19 @@ class ServerPool:
         if max_concurrency < 1 or retries < 0 or quarantine_after < 1:
             raise ValueError("max_concurrency and quarantine_after must be >= 1, retries >= 0")
         self.timeout = timeout
-        self.retries = retries
         self.acquire_timeout = acquire_timeout if acquire_timeout is not None else timeout
         self.quarantine_after = quarantine_after
         self.quarantine_s, self.max_quarantine_s = quarantine_s, max_quarantine_s
-        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.probe_path = probe_path
         self.sticky = sticky
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Failures are counted per server too (quarantine), so the retry loop never waits for long.
+        self.retry = RetryPolicy(attempts=retries + 1, base_delay_s=backoff_s, max_delay_s=max_backoff_s,
+                                 max_elapsed_s=None)
         self._servers: list[_Server] = []
         for spec in servers:
             cap = spec.max_concurrency or max_concurrency
-            client = httpx.AsyncClient(
-                base_url=server_root(spec.url),
-                headers=headers,
-                timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)),
-                transport=_transport(cap),
-            )
+            client = http_client(server_root(spec.url), token=api_key, timeout=timeout, connect_timeout=connect_timeout,
+                                 transport=_transport(cap))
             self._servers.append(_Server(spec, max_concurrency, client))
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -230,17 +227,16 @@ class ServerPool:
             key = affinity_key(body["messages"])
         order = self._order(key) if self.sticky and key is not None else None
         failed_on: list[_Server] = []
-        last_error = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(self._backoff(attempt))
+
+        async def attempt(_: int) -> Any:
             server = await self._acquire(failed_on, order)
+            retry_after = None
             try:
                 response = await server.client.post(path, content=content, headers=_JSON_HEADERS)
             except httpx.TimeoutException as exc:
-                last_error = f"{server.root}{path}: timed out after {self.timeout:g}s ({type(exc).__name__})"
+                error = f"{server.root}{path}: timed out after {self.timeout:g}s ({type(exc).__name__})"
             except httpx.TransportError as exc:
-                last_error = f"{server.root}{path}: {type(exc).__name__}: {exc or 'connection failed'}"
+                error = f"{server.root}{path}: {type(exc).__name__}: {exc or 'connection failed'}"
             else:
                 status = response.status_code
                 if status < 400:
@@ -260,12 +256,18 @@ class ServerPool:
                         "Client errors are not retried: check the model name, the server's API "
                         "(--server-api) and the sampling parameters."
                     )
-                last_error = f"{server.root}{path}: HTTP {status}: {response.text[:200]}"
+                error = f"{server.root}{path}: HTTP {status}: {response.text[:200]}"
+                retry_after = retry_after_seconds(response.headers.get("retry-after")) if status == 503 else None
             finally:
                 self._release(server)
-            self._failed(server, last_error)
+            self._failed(server, error)
             failed_on.append(server)
-        raise InferenceError(f"request failed after {self.retries + 1} attempts; last error: {last_error}")
+            raise Retryable(error, retry_after)
+
+        try:
+            return await retry_async(self.retry, attempt)
+        except RetriesExhausted as exc:
+            raise InferenceError(f"request failed after {exc.attempts} attempts; last error: {exc.problem}") from None
 
     async def post_to(self, server_url: str, path: str, body: dict[str, Any], timeout: float = 30.0) -> httpx.Response:
         """One plain POST to one server, outside routing, retries and health (capability probes)."""
@@ -417,9 +419,6 @@ class ServerPool:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
-
-    def _backoff(self, attempt: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random())
 
     # -- health --------------------------------------------------------------------
 

@@ -5,15 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-SCRIPTED = ("optimal", "random", "always_stick", "")  # bots name themselves; threshold bots "threshold-N"
+from ..policies.structured import MODE_TEXT
 
-_SERVER_MODES = {
-    "json_schema": "structured output (response_format json_schema)",
-    "json_object": "structured output (response_format json_object with a schema)",
-    "structured_outputs": "structured output (vLLM structured_outputs.json)",
-    "guided_json": "structured output (vLLM guided_json)",
-    "tool_choice": "forced tool call (tool_choice take_action)",
-}
+SCRIPTED = ("optimal", "random", "always_stick", "")  # bots name themselves; threshold bots "threshold-N"
 
 
 def decoding_mode(params: dict[str, Any]) -> dict[str, str]:
@@ -27,7 +21,7 @@ def decoding_mode(params: dict[str, Any]) -> dict[str, str]:
                     "text": "constrained decoding: tokens restricted to the two valid calls (every answer is a valid call)"}
         mode = params.get("structured_output")
         if mode:
-            return {"kind": "constrained", "text": f"constrained decoding: {_SERVER_MODES.get(mode, mode)}"}
+            return {"kind": "constrained", "text": f"constrained decoding: {MODE_TEXT.get(mode, mode)}"}
         return {"kind": "constrained", "text": "constrained decoding"}
     return {"kind": "unconstrained", "text": "unconstrained sampling: the model writes its call freely"}
 

@@ -31,7 +31,7 @@ def train_settings(settings: Any) -> Any:
 
 def cmd_train(settings: Any, console: Console, argv: list[str]) -> int:
     settings = train_settings(settings)
-    from ..runner import build_player
+    from ..players import build_player
     from .loop import run_training
 
     player = build_player(settings)

@@ -30,12 +30,13 @@ from ..grid import evaluate_grid
 from ..groups import Player
 from ..probe import probe_policy
 from ..protocol import STICK, tool_call_text
-from .forward import causal_lm
-from .grpo import LossConfig, carries_signal, group_loss, merge_groups, scalar_advantages, token_logprobs
+from ..policies.torch.forward import causal_lm
+from ..policies.torch.logprobs import token_logprobs
+from ..policies.torch.model import add_lora, export_model, save_adapter
+from ..policies.torch.policy import TorchPolicy
+from .grpo import LossConfig, carries_signal, group_loss, merge_groups, scalar_advantages
 from .metrics import batch_metrics, eval_summary
-from .model import add_lora, export_model, save_adapter
 from .plot import plot_log
-from .policy import TorchPolicy
 from .sources import ApiSource, GroupSource, LocalSource
 
 

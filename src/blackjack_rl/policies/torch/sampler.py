@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..tokens import common_prefix_length
+from ...tokens import common_prefix_length
 from .forward import RowCache, causal_lm, forward_rows, run_prefix
 
 
@@ -39,12 +39,20 @@ def sample(
     seeds: Sequence[int],
     *,
     temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
     max_new_tokens: int,
     stop: set[int],
     pad_id: int = 0,
     record_layer: int | None = None,
 ) -> list[Sample]:
-    """Sample one answer per prompt. temperature 0 means greedy (logprobs then at temperature 1)."""
+    """Sample one answer per prompt. temperature 0 means greedy (logprobs then at temperature 1).
+
+    top_k, top_p and min_p (in that order, as vLLM applies them) cut the tempered distribution
+    before the draw; the logprobs stay those of the tempered distribution, uncut, which is
+    what `token_logprobs` computes for the trainer's importance ratio.
+    """
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
@@ -73,10 +81,8 @@ def sample(
     for step in range(max_new_tokens):
         logits = logits.float()
         if temperature > 0:
-            logp = torch.log_softmax(logits / temperature, dim=-1)
             u = torch.tensor([rngs[int(r)].random() for r in active], dtype=torch.float64)
-            cdf = logp.double().exp().cumsum(-1)
-            tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=logits.shape[-1] - 1)
+            tok, logp = draw(logits, u, temperature, top_p, top_k, min_p)
         else:
             logp = torch.log_softmax(logits, dim=-1)
             tok = logp.argmax(-1, keepdim=True)
@@ -111,3 +117,35 @@ def sample(
         for i in range(n):
             out[i].states = torch.cat([head, first.recorded[i, : int(lengths[i])], *recorded[i]])
     return out
+
+
+def draw(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+         min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of `logits` [rows, vocab], by inverse CDF at the uniform draws `u`
+    [rows], from the tempered distribution cut by top-k / top-p / min-p. Returns the ids
+    [rows, 1] and the tempered, uncut log-probabilities [rows, vocab]."""
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    probs = logp.double().exp()
+    if top_p < 1.0 or top_k > 0 or min_p > 0.0:
+        probs = truncate(probs, top_p, top_k, min_p)
+    cdf = probs.cumsum(-1)
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=logits.shape[-1] - 1)
+    return tok, logp
+
+
+def truncate(probs: torch.Tensor, top_p: float, top_k: int, min_p: float) -> torch.Tensor:
+    """`probs` [rows, vocab] with the tokens top-k, top-p and min-p leave out set to zero (not
+    renormalized: the draw scales by the total). The most likely token always stays."""
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if top_k > 0 and top_k < probs.shape[-1]:
+        kth = probs.topk(top_k, dim=-1).values[:, -1:]
+        keep &= probs >= kth
+    if top_p < 1.0:
+        sorted_p, order = (probs * keep).sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens
+        inside = before < top_p * sorted_p.sum(-1, keepdim=True)
+        keep &= torch.zeros_like(keep).scatter(-1, order, inside)
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs.max(dim=-1, keepdim=True).values
+    return probs * keep
+

@@ -25,8 +25,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(NEEDS_TORCH) from exc
 
-from ..policies.base import InferenceError, Reply, Turn
-from ..tokens import ChatFormat, HFTokenizer, common_prefix_length
+from ..base import InferenceError, Reply, Turn
+from ..sampling import Sampling
+from ...tokens import ChatFormat, HFTokenizer, common_prefix_length
 from .model import load_model, stop_ids
 from .sampler import sample
 
@@ -61,8 +62,7 @@ class TorchPolicy:
         tokenizer: HFTokenizer,
         *,
         name: str | None = None,
-        temperature: float = 1.0,
-        max_tokens: int = 64,
+        sampling: Sampling = Sampling(),
         max_batch: int = 64,
         threads: int | None = None,
     ) -> None:
@@ -73,8 +73,8 @@ class TorchPolicy:
         self.chat = ChatFormat.learn(tokenizer)
         self.stop = stop_ids(model, tokenizer, self.chat.end_of_turn_ids)
         self.name = name or tokenizer.name
-        self.temperature = temperature
-        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.temperature, self.max_tokens = sampling.temperature, sampling.max_tokens
         self.max_batch = max_batch
         self.pad_id = int(tokenizer.tok.pad_token_id or 0)
         self.sampled_tokens = 0  # totals, for tokens per second
@@ -105,10 +105,12 @@ class TorchPolicy:
             "policy": "hf",
             "model": self.name,
             "temperature": self.temperature,
-            "top_p": 1.0,
+            "top_p": self.sampling.top_p,
+            **({"top_k": self.sampling.top_k, "min_p": self.sampling.min_p} if self.sampling.truncates else {}),
             "max_tokens": self.max_tokens,
             "constrained": False,
-            "logprobs": "log-softmax of logits / temperature (the sampling distribution) of each sampled token",
+            "logprobs": "log-softmax of logits / temperature (the sampling distribution) of each sampled token"
+            + (", before top-p / top-k / min-p" if self.sampling.truncates else ""),
         }
 
     async def respond(self, turn: Turn) -> Reply:
@@ -171,7 +173,7 @@ class TorchPolicy:
                       temperature: float) -> list[list[float]]:
         """Synchronous scoring of many (prompt, answers) at once, in one batched forward;
         the answers' logprobs are returned flattened, in order."""
-        from .grpo import Targets, token_logprobs
+        from .logprobs import Targets, token_logprobs
 
         tokens, rows, positions, ids = [], [], [], []
         for prompt, answers in items:
@@ -273,6 +275,9 @@ class TorchPolicy:
             prompts,
             seeds,
             temperature=self.temperature,
+            top_p=self.sampling.top_p,
+            top_k=self.sampling.top_k,
+            min_p=self.sampling.min_p,
             max_new_tokens=self.max_tokens,
             stop=self.stop,
             pad_id=self.pad_id,

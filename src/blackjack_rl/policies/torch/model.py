@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..tokens import HFTokenizer, embedded_model_path
+from ...tokens import HFTokenizer, embedded_model_path
 from .forward import causal_lm, check_architecture
 
 log = logging.getLogger(__name__)
