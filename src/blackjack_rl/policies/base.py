@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
-from ..game import Observation
+if TYPE_CHECKING:  # game.py imports Gymnasium, which the command line's help does not need
+    from ..game import Observation
 
 
 class InferenceError(RuntimeError):
