@@ -24,7 +24,14 @@ from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model
 from .game import Rules
 
 
-class Status(StrEnum):
+class _Reason(StrEnum):
+    """Written, compared and printed as its string, so a dict of counts by reason reads as it did."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Status(_Reason):
     """How an episode stands: still playing, or the reason it ended.
 
     `invalid` (an answer that was not a usable call: scored, since that is what RL must fix),
@@ -44,20 +51,20 @@ class Status(StrEnum):
 SCORED_AS_INVALID = frozenset({Status.INVALID, Status.TRUNCATED})
 
 
-class Outcome(StrEnum):
+class Outcome(_Reason):
     WIN = "win"
     DRAW = "draw"
     LOSS = "loss"
 
 
-class Truncation(StrEnum):
+class Truncation(_Reason):
     """Why a truncated episode stopped (its `invalid_reason`)."""
 
     CONTEXT_LIMIT = "context_limit"
     TURN_LIMIT = "turn_limit"
 
 
-class DropReason(StrEnum):
+class DropReason(_Reason):
     """Why a played group was not emitted."""
 
     FAILED_EPISODES = "failed_episodes"  # a group with a hole would change GRPO's baseline

@@ -181,7 +181,7 @@ async def run_process(settings: Settings, player: Player, progress: bool = True,
         async for deal_results in results:
             for result in deal_results:
                 # step groups carry per-answer metadata, not Episode records
-                episodes += len(result.episodes) if result.episodes else len(result.group.scores if result.group else [])
+                episodes += len(result.episodes) if result.episodes else len(result.group.scores) if result.group else 0
                 failed += sum(ep.failed for ep in result.episodes)
                 if result.group is None:
                     dropped[result.dropped or "?"] = dropped.get(result.dropped or "?", 0) + 1

@@ -167,7 +167,8 @@ async def play_step_groups(
                 group.advantages = _advantages(sequences, replies, credits, q, p_call, settings, chat,
                                                   scale_decisions, format_weight)
             dropped = drop_equal_scores and len(set(scores)) == 1 and len(scores) > 1
-            deal.groups.append(GroupResult(seed, [], None if dropped else group, DropReason.EQUAL_SCORES if dropped else None))
+            deal.groups.append(GroupResult(seed, [], None if dropped else group,
+                                           DropReason.EQUAL_SCORES if dropped else None))
 
             pick = max(range(group_size), key=lambda i: scores[i]) if continue_with == "best" else 0  # never a forced call
             chosen = replies[pick]
