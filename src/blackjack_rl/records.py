@@ -19,7 +19,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, SkipValidation, model_serializer
 
 from .game import Rules
 
@@ -157,6 +157,12 @@ class StepRecord(Record):
 SequenceRecord = EpisodeRecord | StepRecord
 GROUP_BY_STEP = "step"  # generation_params["group_by"] of step groups
 
+# Per-token lists come from our own trajectories, and each is thousands of numbers: checking
+# every one would cost more than building the group. Groups from anyone else are checked, number
+# by number, by the API's models (api/models.py), the authority on the wire.
+_PerToken = SkipValidation[list[list[int]]]
+_PerTokenFloat = SkipValidation[list[list[float]]]
+
 
 class ScoredDataGroup(Record):
     """One group as we emit it: Atropos' ScoredDataGroup plus our `episodes` metadata.
@@ -165,22 +171,24 @@ class ScoredDataGroup(Record):
     as Atropos' own environments do.
     """
 
-    tokens: list[list[int]]
-    masks: list[list[int]]
-    inference_logprobs: list[list[float]]
+    tokens: _PerToken
+    masks: _PerToken
+    inference_logprobs: _PerTokenFloat
     scores: list[float]
     messages: list[list[dict[str, str]]]
     generation_params: dict[str, Any]
     overrides: list[dict[str, Any]] | None = None
     group_overrides: dict[str, Any] | None = None
     episodes: list[EpisodeRecord] | list[StepRecord]
-    advantages: list[list[float]] | None = None
+    advantages: _PerTokenFloat | None = None
 
-    @model_serializer(mode="wrap")
-    def _without_absent_advantages(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("advantages") is None:
-            out.pop("advantages", None)
+    def to_json(self) -> dict[str, Any]:
+        """Shallow: the token, mask and logprob lists are handed to the encoder as they are, not
+        copied (a deep dump of them costs more than writing them)."""
+        out = {name: getattr(self, name) for name in type(self).model_fields}
+        out["episodes"] = [r.to_json() for r in self.episodes]
+        if self.advantages is None:
+            del out["advantages"]
         return out
 
     @property
