@@ -9,6 +9,8 @@ import pytest
 from blackjack_rl.compare import Run, check_comparable, compare_pair, pair_by_seed, paired_difference
 from blackjack_rl.game import Rules
 from blackjack_rl.solver import policy_outcome, solve
+from records_factory import metrics as _metrics
+from records_factory import sample_row
 
 CLI = [sys.executable, "-m", "blackjack_rl.cli"]
 
@@ -35,11 +37,11 @@ def test_paired_difference_is_the_mean_of_per_pair_differences():
 
 
 def test_pairing_uses_shared_seeds_and_drops_failed_episodes():
-    a = [{"seed": s, "status": "finished", "reward": 1.0} for s in (1, 2, 3, 4)]
-    b = [{"seed": s, "status": "failed" if s == 3 else "finished", "reward": 0.0} for s in (2, 3, 4, 5, 6)]
+    a = [sample_row(s, "finished", reward=1.0) for s in (1, 2, 3, 4)]
+    b = [sample_row(s, "failed" if s == 3 else "finished", reward=0.0) for s in (2, 3, 4, 5, 6)]
     pairing = pair_by_seed(a, b)
     assert pairing.seeds == [2, 4] and (pairing.only_a, pairing.only_b, pairing.failed) == (1, 2, 1)
-    c = compare_pair(Run("a", {}, a), Run("b", {}, b))
+    c = compare_pair(Run("a", _metrics(), a), Run("b", _metrics(), b))
     assert c.differences["outcome"].mean == -1.0 and c.pairs == 2
 
 
@@ -51,17 +53,17 @@ def test_pairing_removes_the_luck_both_runs_share():
 
     rng = random.Random(0)
     luck = [rng.choice([-1.0, 0.0, 1.0]) for _ in range(2000)]
-    a = [{"seed": i, "status": "finished", "reward": x} for i, x in enumerate(luck)]
-    b = [{"seed": i, "status": "finished", "reward": x + (1.0 if i % 20 == 0 and x < 1 else 0.0)} for i, x in enumerate(luck)]
-    p = compare_pair(Run("a", {}, a), Run("b", {}, b)).differences["outcome"]
-    assert p.mean == pytest.approx(sum(r["reward"] for r in b) / 2000 - sum(luck) / 2000) and p.significant
-    se_a, se_b = mean_ci([r["reward"] for r in a])["stderr"], mean_ci([r["reward"] for r in b])["stderr"]
+    a = [sample_row(i, reward=x) for i, x in enumerate(luck)]
+    b = [sample_row(i, reward=x + (1.0 if i % 20 == 0 and x < 1 else 0.0)) for i, x in enumerate(luck)]
+    p = compare_pair(Run("a", _metrics(), a), Run("b", _metrics(), b)).differences["outcome"]
+    assert p.mean == pytest.approx(sum(r.reward for r in b) / 2000 - sum(luck) / 2000) and p.significant
+    se_a, se_b = mean_ci([r.reward for r in a]).stderr, mean_ci([r.reward for r in b]).stderr
     assert p.stderr < (se_a**2 + se_b**2) ** 0.5 / 5
 
 
 def test_runs_on_different_rules_are_refused():
-    a = Run("a", {"rules": {"natural": False, "sab": False}, "seeds": {"first": 1}}, [])
-    b = Run("b", {"rules": {"natural": True, "sab": False}, "seeds": {"first": 1}}, [])
+    a = Run("a", _metrics(rules=Rules(natural=False)), [])
+    b = Run("b", _metrics(rules=Rules(natural=True)), [])
     with pytest.raises(ValueError, match="same --natural/--sab"):
         check_comparable([a, b])
     with pytest.raises(ValueError, match="at least two runs"):
@@ -145,10 +147,9 @@ def test_compare_leaves_out_the_format_bonus_and_the_scoring_mode(bot_runs):
 
 def test_a_paired_interval_stays_within_the_possible_difference():
     """29 of 30 deals won by B only: a normal interval would reach past +100 points."""
-    a = [{"seed": i, "status": "finished", "outcome": "loss", "reward": -1.0} for i in range(30)]
-    b = [{"seed": i, "status": "finished", "outcome": "win" if i else "loss", "reward": 1.0 if i else -1.0}
-         for i in range(30)]
-    c = compare_pair(Run("a", {"invalid_score": -1.0}, a), Run("b", {"invalid_score": -1.0}, b))
+    a = [sample_row(i, outcome="loss", reward=-1.0) for i in range(30)]
+    b = [sample_row(i, outcome="win" if i else "loss", reward=1.0 if i else -1.0) for i in range(30)]
+    c = compare_pair(Run("a", _metrics(invalid_score=-1.0), a), Run("b", _metrics(invalid_score=-1.0), b))
     win, reward = c.differences["win"], c.differences["outcome"]
     assert win.mean + 1.96 * win.stderr > 1 and win.ci95_high <= 1.0  # cut at the bound
     assert reward.mean + 1.96 * reward.stderr > 2 and reward.ci95_high <= 2.0
@@ -157,9 +158,9 @@ def test_a_paired_interval_stays_within_the_possible_difference():
 def test_too_few_pairs_give_no_interval_and_say_so():
     from blackjack_rl.compare import QUANTITIES, verdict
 
-    a = [{"seed": i, "status": "finished", "outcome": "loss", "reward": -1.0} for i in range(5)]
-    b = [{"seed": i, "status": "finished", "outcome": "win", "reward": 1.0} for i in range(5)]
-    c = compare_pair(Run("a", {}, a), Run("b", {}, b))
+    a = [sample_row(i, outcome="loss", reward=-1.0) for i in range(5)]
+    b = [sample_row(i, outcome="win", reward=1.0) for i in range(5)]
+    c = compare_pair(Run("a", _metrics(), a), Run("b", _metrics(), b))
     p = c.differences["outcome"]
     assert p.ci95_low is None and not p.significant
     assert "too few to tell" in verdict(p, next(q for q in QUANTITIES if q.key == "outcome"), "a", "b")
@@ -192,13 +193,13 @@ def test_evaluation_intervals_respect_the_bounds_or_say_too_few(vocab_chat, solu
         return compute_metrics(asyncio.run(run_evaluation(player, n, 1)), player)  # one at a time: in seed order
 
     m = metrics(RarelyValid(solution), 60)
-    mr = m["mean_reward"]
-    assert mr["mean"] - 1.96 * mr["stderr"] < -1 <= mr["ci95_low"] < mr["ci95_high"] <= 1
-    assert -1 <= m["mean_expected_score"]["ci95_low"]
-    assert m["mean_regret"]["too_few"] and m["mean_regret"]["ci95_low"] is None  # two valid decisions
+    mr = m.mean_reward
+    assert mr.mean - 1.96 * mr.stderr < -1 <= mr.ci95_low < mr.ci95_high <= 1
+    assert -1 <= m.mean_expected_score.ci95_low
+    assert m.mean_regret.too_few and m.mean_regret.ci95_low is None  # two valid decisions
     few = metrics(OptimalBot(solution), 2)
-    assert few["mean_regret"]["n"] < 30 and few["mean_regret"]["too_few"] and few["mean_regret"]["ci95_low"] is None
-    assert few["mean_reward"]["too_few"] and few["mean_reward"]["ci95_high"] is None
+    assert few.mean_regret.n < 30 and few.mean_regret.too_few and few.mean_regret.ci95_low is None
+    assert few.mean_reward.too_few and few.mean_reward.ci95_high is None
 
 
 def test_a_regret_interval_never_goes_below_zero():
@@ -206,7 +207,7 @@ def test_a_regret_interval_never_goes_below_zero():
 
     regrets = [0.0] * 39 + [0.5]  # one costly mistake in 40 decisions
     r = mean_ci(regrets, (0.0, 2.5))
-    assert r["mean"] - 1.96 * r["stderr"] < 0 and r["ci95_low"] == 0.0 < r["ci95_high"]
+    assert r.mean - 1.96 * r.stderr < 0 and r.ci95_low == 0.0 < r.ci95_high
 
 
 @pytest.mark.parametrize("metrics", ["{\"episodes\": 3", "[1, 2]"], ids=["truncated", "not an object"])

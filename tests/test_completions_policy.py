@@ -69,8 +69,8 @@ def test_trained_ids_and_logprobs_are_exactly_what_the_server_returned(fresh, vo
     for result in results:
         assert result.group is not None, [ep.error for ep in result.episodes]
         g = result.group
-        assert g["generation_params"]["token_path"] == COMPLETIONS_PATH
-        for tokens, masks, logprobs in zip(g["tokens"], g["masks"], g["inference_logprobs"]):
+        assert g.generation_params["token_path"] == COMPLETIONS_PATH
+        for tokens, masks, logprobs in zip(g.tokens, g.masks, g.inference_logprobs):
             spans = trained_spans(masks)
             assert spans
             for a, b in spans:
@@ -260,7 +260,7 @@ def test_groups_through_llama_cpp_python_record_the_chat_path(llama_server, hf_t
     policy = OpenAICompletionsPolicy(pool, "smollm2", chat, sampling=Sampling(max_tokens=24))
     (result,) = play_groups(policy, chat, solution, [5], 3)  # the server ignores n: topped up
     assert not any(ep.failed for ep in result.episodes), [ep.error for ep in result.episodes]
-    assert result.group["generation_params"]["token_path"] == CHAT_PATH
+    assert result.group.generation_params["token_path"] == CHAT_PATH
     for ep in result.episodes:
         answers = [m["content"] for m in ep.messages if m["role"] == "assistant"]
         spans = trained_spans(ep.trajectory.masks)

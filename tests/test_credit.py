@@ -70,18 +70,18 @@ def test_step_groups_score_each_answer_by_q_star(vocab_chat, solution):
         deal = run(play_step_groups(player, seed, 6, continue_with="best"))
         for result in deal.groups:
             g = result.group
-            prompt_len = trained_spans(g["masks"][0])[0][0]
-            prompts = {tuple(t[:prompt_len]) for t in g["tokens"]}
+            prompt_len = trained_spans(g.masks[0])[0][0]
+            prompts = {tuple(t[:prompt_len]) for t in g.tokens}
             assert len(prompts) == 1  # byte-identical prompt across the group
-            for tokens, masks, score, meta in zip(g["tokens"], g["masks"], g["scores"], g["episodes"]):
+            for tokens, masks, score, meta in zip(g.tokens, g.masks, g.scores, g.episodes):
                 spans = trained_spans(masks)
                 assert len(spans) == 1 and spans[0][1] == len(tokens)  # shared prompt + one answer
                 answer = vocab_chat.backend.decode(tokens[spans[0][0]:])
-                q = solution.q_values(meta["state"], meta["natural"])
-                if meta["action"] is None:
+                q = solution.q_values(meta.state, meta.natural)
+                if meta.action is None:
                     assert score == -1.5 and answer == "no idea<|im_end|>"
                 else:
-                    action = HIT if meta["action"] == "hit" else STICK
+                    action = HIT if meta.action == "hit" else STICK
                     assert score == q[action] and answer == tool_call_text(action) + "<|im_end|>"
                 checked += 1
     assert checked > 100
@@ -106,22 +106,22 @@ def test_step_groups_continue_with_the_best_answer(vocab_chat, solution, group_s
         groups = [r.group for r in deal.groups]
         assert groups and all(g is not None for g in groups)
         for k, group in enumerate(groups):
-            scores = group["scores"]
+            scores = group.scores
             best = max(scores)
-            meta = group["episodes"]
+            meta = group.episodes
             if k + 1 < len(groups):
-                following = groups[k + 1]["tokens"][0]
-                played = [j for j, tokens in enumerate(group["tokens"]) if following[:len(tokens)] == tokens]
+                following = groups[k + 1].tokens[0]
+                played = [j for j, tokens in enumerate(group.tokens) if following[:len(tokens)] == tokens]
                 assert played and all(scores[j] == best for j in played), (seed, k, scores, played)
                 # the state the next group was sampled in follows from the best action
-                q = meta[0]["q"]
-                assert meta[played[0]]["action"] is not None and q[meta[played[0]]["action"]] == best
+                q = meta[0].q
+                assert meta[played[0]].action is not None and q[meta[played[0]].action] == best
                 best_was_not_first += scores[0] < best
             elif deal.status == "invalid":  # the episode ends on an invalid answer only if all were invalid
-                assert all(m["action"] is None for m in meta)
+                assert all(m.action is None for m in meta)
                 invalid_ends += 1
             else:
-                assert deal.status == "finished" and any(m["action"] is not None for m in meta)
+                assert deal.status == "finished" and any(m.action is not None for m in meta)
     if group_size > 1:
         assert best_was_not_first > 5  # the rule is tested where it differs from playing the first answer
     assert invalid_ends > 0  # and where no answer was valid
@@ -163,9 +163,9 @@ def test_step_groups_on_the_embedded_model(embedded, solution):
     deal = run(play_step_groups(player, 77, 3))
     assert deal.groups
     g = deal.groups[0].group
-    prompt_len = min(m.index(next(x for x in m if x != MASKED)) for m in g["masks"])
-    assert len({tuple(t[:prompt_len]) for t in g["tokens"]}) == 1
-    for tokens, masks, lps in zip(g["tokens"], g["masks"], g["inference_logprobs"]):
+    prompt_len = min(m.index(next(x for x in m if x != MASKED)) for m in g.masks)
+    assert len({tuple(t[:prompt_len]) for t in g.tokens}) == 1
+    for tokens, masks, lps in zip(g.tokens, g.masks, g.inference_logprobs):
         answer = tokens[prompt_len:]
         if len(answer) == 48 + 1:  # cut at max_new_tokens: the template's end-of-turn is context, not trained
             assert masks[-1] == MASKED and answer[-1] == 2
@@ -183,4 +183,4 @@ def test_thinking_mode_on_the_embedded_model_fits_the_budget(embedded, solution)
         assert ep.status != "failed" and len(ep.trajectory.tokens) <= 520
         assert "<think>" in ep.messages[0]["content"]
     deal = run(play_step_groups(player, 5, 2))
-    assert all(len(t) <= 520 for r in deal.groups for t in r.group["tokens"])
+    assert all(len(t) <= 520 for r in deal.groups for t in r.group.tokens)

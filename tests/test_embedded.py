@@ -85,7 +85,7 @@ def test_a_small_group_on_the_embedded_model(embedded, solution):
     result = asyncio.run(play_group(player, seed=2024, group_size=3))
     g = result.group
     assert g is not None
-    assert len(g["tokens"]) == 3 and g["generation_params"]["policy"] == "embedded"
-    prompt_len = min(m.index(next(x for x in m if x != MASKED)) for m in g["masks"])
-    assert len({tuple(t[:prompt_len]) for t in g["tokens"]}) == 1
-    assert all(len(t) <= 1024 for t in g["tokens"])
+    assert len(g.tokens) == 3 and g.generation_params["policy"] == "embedded"
+    prompt_len = min(m.index(next(x for x in m if x != MASKED)) for m in g.masks)
+    assert len({tuple(t[:prompt_len]) for t in g.tokens}) == 1
+    assert all(len(t) <= 1024 for t in g.tokens)

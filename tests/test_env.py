@@ -113,6 +113,6 @@ class Scripted:
 def test_episodes_record_the_reprompts(vocab_chat, solution):
     policy = Scripted(["no idea", tool_call_text(STICK)])
     ep = asyncio.run(play_episode(Table(), policy, vocab_chat, solution, 7, settings=EpisodeSettings(invalid_retries=1)))
-    assert ep.status == "finished" and ep.retries == 1 and ep.summary()["retries"] == 1
+    assert ep.status == "finished" and ep.retries == 1 and ep.record().retries == 1
     assert [m["role"] for m in ep.messages] == ["system", "user", "assistant", "user", "assistant"]
     assert "no_call" in ep.messages[3]["content"]

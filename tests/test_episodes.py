@@ -119,18 +119,18 @@ def test_group_shares_the_deal_and_the_prompt(vocab_chat, solution):
     player = Player(RandomBot(), vocab_chat, solution)
     result = run(play_group(player, seed=11, group_size=8))
     g = result.group
-    assert g is not None and len(g["tokens"]) == len(g["masks"]) == len(g["scores"]) == 8
-    first_trained = [m.index(next(x for x in m if x != MASKED)) for m in g["masks"]]
+    assert g is not None and len(g.tokens) == len(g.masks) == len(g.scores) == 8
+    first_trained = [m.index(next(x for x in m if x != MASKED)) for m in g.masks]
     assert len(set(first_trained)) == 1
-    prompts = {tuple(t[: first_trained[0]]) for t in g["tokens"]}
+    prompts = {tuple(t[: first_trained[0]]) for t in g.tokens}
     assert len(prompts) == 1
-    for toks, masks, lps in zip(g["tokens"], g["masks"], g["inference_logprobs"]):
+    for toks, masks, lps in zip(g.tokens, g.masks, g.inference_logprobs):
         assert len(toks) == len(masks) == len(lps)
         assert all(m in (MASKED, t) for t, m in zip(toks, masks))
-    assert {e["seed"] for e in g["episodes"]} == {11}
-    assert g["scores"] == [e["score"] for e in g["episodes"]]
+    assert {e.seed for e in g.episodes} == {11}
+    assert g.scores == [e.score for e in g.episodes]
     # random play on one deal: the actions differ between episodes
-    assert len({tuple(e["actions"]) for e in g["episodes"]}) > 1
+    assert len({tuple(e.actions) for e in g.episodes}) > 1
 
 
 def test_group_with_a_failed_episode_is_not_emitted(vocab_chat, solution):

@@ -55,24 +55,24 @@ def test_step_group_advantages_separate_format_from_decision(vocab_chat, solutio
         deal = run(play_step_groups(player, seed, 6, token_advantages=True))
         for result in deal.groups:
             g = result.group
-            adv = g["advantages"]
-            assert [len(a) for a in adv] == [len(t) for t in g["tokens"]]
-            valid = [m["action"] is not None for m in g["episodes"]]
+            adv = g.advantages
+            assert [len(a) for a in adv] == [len(t) for t in g.tokens]
+            valid = [m.action is not None for m in g.episodes]
             fmt_scores = [0.25 if v else -1.0 for v in valid]
             mean = statistics.fmean(fmt_scores)
-            q = g["episodes"][0]["q"]
-            for tokens, masks, a, meta, f in zip(g["tokens"], g["masks"], adv, g["episodes"], fmt_scores):
+            q = g.episodes[0].q
+            for tokens, masks, a, meta, f in zip(g.tokens, g.masks, adv, g.episodes, fmt_scores):
                 (start, end), = trained_spans(masks)
                 assert all(x == 0.0 for x in a[:start])  # the prompt carries nothing
                 answer = a[start:end]
-                if meta["action"] is None:
+                if meta.action is None:
                     assert all(x == pytest.approx(f - mean) for x in answer)
                     checked["invalid"] += 1
                     continue
                 text = vocab_chat.backend.decode(tokens[start:end])
                 action_idx = set(action_token_indices(tokens[start:end], action_char_span(text),
                                                       vocab_chat.backend.decode))
-                expected_decision = q[meta["action"]] - (q["hit"] + q["stick"]) / 2
+                expected_decision = q[meta.action] - (q["hit"] + q["stick"]) / 2
                 for i, x in enumerate(answer):
                     want = (f - mean) + (expected_decision if i in action_idx else 0.0)
                     assert x == pytest.approx(want)
@@ -86,7 +86,7 @@ def test_episode_group_advantages_credit_each_decision(vocab_chat, solution):
     for seed in range(20):
         result = run(play_group(player, seed, 4, token_advantages=True))
         g = result.group
-        for ep, tokens, masks, adv in zip(result.episodes, g["tokens"], g["masks"], g["advantages"]):
+        for ep, tokens, masks, adv in zip(result.episodes, g.tokens, g.masks, g.advantages):
             assert len(adv) == len(tokens)
             spans = trained_spans(masks)
             assert len(spans) == len(ep.decisions)
@@ -155,25 +155,25 @@ def test_counterfactual_groups_hold_both_calls_scored_by_q_with_the_models_logpr
     assert deal.groups
     for result in deal.groups:
         g = result.group
-        meta = g["episodes"]
-        assert [m["forced"] for m in meta] == [False, False, False, True, True]
-        q = solution.q_values(meta[0]["state"], meta[0]["natural"])
-        prompt_len = trained_spans(g["masks"][0])[0][0]
-        prompt = g["tokens"][0][:prompt_len]
+        meta = g.episodes
+        assert [m.forced for m in meta] == [False, False, False, True, True]
+        q = solution.q_values(meta[0].state, meta[0].natural)
+        prompt_len = trained_spans(g.masks[0])[0][0]
+        prompt = g.tokens[0][:prompt_len]
         for row, action in zip((3, 4), (HIT, STICK)):
-            answer = g["tokens"][row][prompt_len:]
+            answer = g.tokens[row][prompt_len:]
             assert answer == embedded.chat.answer_ids(tool_call_text(action))
-            assert g["scores"][row] == q[action]
+            assert g.scores[row] == q[action]
             # the model's own logprobs, recomputed independently token by token
             own = _logprobs_one_by_one(embedded, prompt, answer)
-            assert g["inference_logprobs"][row][prompt_len:] == pytest.approx(own, abs=2e-3)
-        adv = g["advantages"]
-        p_hit = meta[0]["p_call"]["hit"]
+            assert g.inference_logprobs[row][prompt_len:] == pytest.approx(own, abs=2e-3)
+        adv = g.advantages
+        p_hit = meta[0].p_call["hit"]
         v = p_hit * q[HIT] + (1 - p_hit) * q[STICK]
-        sampled_validity = statistics.fmean(0.0 if m["action"] is not None else -1.0 for m in meta[:3])
+        sampled_validity = statistics.fmean(0.0 if m.action is not None else -1.0 for m in meta[:3])
         decode = embedded.chat.backend.decode
         for row, action, p in ((3, HIT, p_hit), (4, STICK, 1 - p_hit)):
-            answer = g["tokens"][row][prompt_len:]
+            answer = g.tokens[row][prompt_len:]
             idx = set(action_token_indices(answer, action_char_span(decode(answer)), decode))
             assert idx
             for i, x in enumerate(adv[row][prompt_len:]):

@@ -216,7 +216,7 @@ def test_a_malformed_shared_first_turn_falls_back_to_single_requests(a, vocab_ch
     a.control(malformed=True, fail_times=1)
     policy = make([a.url], vocab_chat)
     result = run(closing(policy, play_group(Player(policy, vocab_chat, solution), 3, 8)))
-    assert result.group is not None and len(result.group["tokens"]) == 8
+    assert result.group is not None and len(result.group.tokens) == 8
 
 
 def test_failed_episodes_are_reported_failed_and_never_poison_a_group(a, vocab_chat, solution):
@@ -256,7 +256,7 @@ def test_a_server_that_dies_mid_run(config, vocab_chat, solution):
         assert all(ep.error and ep.score is None for ep in failed)
         assert (r.group is None) == bool(failed)
         if r.group is not None:
-            assert len(r.group["tokens"]) == 8 and None not in r.group["scores"]
+            assert len(r.group.tokens) == 8 and None not in r.group.scores
     assert sum(r.group is not None for r in results) >= 20  # the survivor took over
     snap = {s["url"]: s for s in policy.pool.snapshot()}
     # the survivor stays healthy; whether the victim is already quarantined depends on

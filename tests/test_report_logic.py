@@ -9,16 +9,14 @@ from blackjack_rl.report.dataset import DatasetView, common_prefix, group_summar
 from blackjack_rl.report.episodes import category, invalid_examples, sample
 from blackjack_rl.report.modes import decoding_mode
 from blackjack_rl.report.strategy import chart, costliest, state_stats
-
-
-def _decision(s, d, ace, action, optimal, regret=0.0, text=""):
-    return {"state": [s, d, ace], "natural": False, "action": action, "optimal": optimal,
-            "regret": None if action is None else regret, "parse_error": None if action else "no call", "text": text}
+from blackjack_rl.records import Metrics
+from records_factory import decision as _decision
+from records_factory import episode_record, sample_row, scored_group
 
 
 def _row(seed, status="finished", outcome="loss", decisions=(), reason=None):
-    return {"seed": seed, "status": status, "outcome": outcome if status == "finished" else None,
-            "invalid_reason": reason, "score": -1.0, "decisions": list(decisions), "messages": []}
+    return sample_row(seed, status, decisions, outcome=outcome if status == "finished" else None,
+                      invalid_reason=reason)
 
 
 def test_the_chart_has_one_cell_per_state(solution):
@@ -62,7 +60,7 @@ def test_the_episode_sample_keeps_every_kind_and_its_bound():
     assert len(chosen) == 60
     kinds = [category(r) for r in chosen]
     assert kinds.count("invalid:bad_json") == 3 and kinds.count("mistake") > 20 and kinds.count("optimal") > 20
-    assert [r["seed"] for r in chosen] == sorted(r["seed"] for r in chosen)
+    assert [r.seed for r in chosen] == sorted(r.seed for r in chosen)
     examples = invalid_examples(rows)
     assert list(examples) == ["bad_json"] and len(examples["bad_json"]) == 3
 
@@ -83,24 +81,23 @@ def test_token_packing_helpers():
     assert common_prefix([], [1]) == 0 and common_prefix([5, 6], [5, 6]) == 2
     assert trained_spans([-100, -100, 7, 8, -100, 9]) == [[2, 4], [5, 6]]
     assert trained_spans([]) == []
-    group = {"tokens": [[1, 2], [1, 2, 3]], "scores": [1.0, -1.0],
-             "episodes": [{"seed": 42, "invalid_reason": None}, {"seed": 42, "invalid_reason": "no_call"}]}
+    group = scored_group([[1, 2], [1, 2, 3]], [episode_record(42), episode_record(42, "invalid", invalid_reason="no_call")],
+                         scores=[1.0, -1.0])
     assert group_summary(group) == [42, [1.0, -1.0], "no_call", 2, 3]
 
 
 def _group(seed, prompt_len=50):
     prompt = list(range(prompt_len))
     seqs = [prompt + [1000 + seed, 7, 8], prompt + [1000 + seed, 9]]
-    return {
-        "tokens": seqs,
-        "masks": [[-100] * (prompt_len + 1) + s[prompt_len + 1:] for s in seqs],
-        "inference_logprobs": [[1.0] * (prompt_len + 1) + [-0.5] * (len(s) - prompt_len - 1) for s in seqs],
-        "scores": [1.0, -1.0],
-        "messages": [[{"role": "system", "content": "rules"}, {"role": "user", "content": f"deal {seed}"}]] * 2,
-        "generation_params": {"policy": "test"},
-        "episodes": [{"seed": seed, "status": "finished", "outcome": "win"},
-                     {"seed": seed, "status": "invalid", "invalid_reason": "bad_json"}],
-    }
+    return scored_group(
+        seqs,
+        [episode_record(seed, outcome="win"), episode_record(seed, "invalid", invalid_reason="bad_json")],
+        masks=[[-100] * (prompt_len + 1) + s[prompt_len + 1:] for s in seqs],
+        inference_logprobs=[[1.0] * (prompt_len + 1) + [-0.5] * (len(s) - prompt_len - 1) for s in seqs],
+        scores=[1.0, -1.0],
+        messages=[[{"role": "system", "content": "rules"}, {"role": "user", "content": f"deal {seed}"}]] * 2,
+        generation_params={"policy": "test"},
+    )
 
 
 def _payload(path):
@@ -175,7 +172,7 @@ def _evil_rows():
     for seed, status in ((1, "finished"), (2, "invalid")):
         decision = _decision(12, 10, 0, "hit" if status == "finished" else None, "hit", text=text)
         row = _row(seed, status=status, decisions=[decision], reason=None if status == "finished" else "no_call")
-        row["messages"] = [{"role": "system", "content": "sys " + EVIL}, {"role": "user", "content": "deal"},
+        row.messages = [{"role": "system", "content": "sys " + EVIL}, {"role": "user", "content": "deal"},
                            {"role": "assistant", "content": text}]
         rows.append(row)
     return rows, text
@@ -189,16 +186,20 @@ def test_report_embeds_any_answer_as_json_that_parses_back(tmp_path, solution):
     rows, text = _evil_rows()
     ref = {k: {"value": o.value, "win": o.win, "draw": o.draw, "loss": o.loss} for k, o in baselines(solution.rules).items()}
     rate = {"rate": 0.5, "ci95_low": 0.1, "ci95_high": 0.9}
-    metrics = {"policy": {"model": EVIL}, "rules": solution.rules.model_dump(), "seeds": {"first": EVAL_SEED_BASE, "count": 2},
+    metrics = Metrics.model_validate({"policy": {"model": EVIL}, "rules": solution.rules.model_dump(), "seeds": {"first": EVAL_SEED_BASE, "count": 2},
                "episodes": 2, "episodes_played": 2, "episodes_failed": 0, "failure_examples": [],
                "win": rate, "draw": rate, "loss": rate, "invalid": rate,
                "invalid_by_reason": {"no_call": {"count": 1, "rate": 0.5}},
-               "mean_reward": {"mean": -1.0, "ci95_low": -1.0, "ci95_high": -1.0, "stderr": 0.0, "n": 2},
-               "mean_expected_score": {"mean": -1.0, "ci95_low": -1.0, "ci95_high": -1.0, "stderr": 0.0, "n": 2},
-               "mean_game_reward": {"mean": -1.0, "ci95_low": None, "ci95_high": None, "stderr": None, "n": 1},
+               "mean_reward": {"mean": -1.0, "ci95_low": -1.0, "ci95_high": -1.0, "stderr": 0.0, "n": 2,
+                               "too_few": False},
+               "mean_expected_score": {"mean": -1.0, "ci95_low": -1.0, "ci95_high": -1.0, "stderr": 0.0, "n": 2,
+                                       "too_few": False},
+               "mean_game_reward": {"mean": -1.0, "ci95_low": None, "ci95_high": None, "stderr": None, "n": 1,
+                                    "too_few": True},
                "decisions": 2, "valid_decisions": 1, "decision_accuracy": rate, "decision_accuracy_valid": rate,
-               "mean_regret": {"mean": 0.0, "ci95_low": None, "ci95_high": None, "stderr": None, "n": 1},
-               "reference": ref, "optimal_value": ref["optimal"]["value"], "invalid_score": -1.0}
+               "mean_regret": {"mean": 0.0, "ci95_low": None, "ci95_high": None, "stderr": None, "n": 1,
+                               "too_few": True},
+               "reference": ref, "optimal_value": ref["optimal"]["value"], "invalid_score": -1.0})
     path = write_report(tmp_path / "report.html", metrics, rows, solution)  # lone surrogates: written, not raised
     html = path.read_text(encoding="utf-8")
     block = re.search(r'<script type="application/json" id="episodes-data">(.*?)</script>', html, re.S).group(1)
@@ -210,9 +211,9 @@ def test_report_embeds_any_answer_as_json_that_parses_back(tmp_path, solution):
 
 def test_dataset_view_scripts_hold_any_answer(tmp_path):
     rows, text = _evil_rows()
-    group = {"tokens": [[1, 2, 3]], "masks": [[-100, 2, 3]], "scores": [1.0], "inference_logprobs": [[1.0, -0.5, -0.1]],
-             "messages": [rows[0]["messages"]], "generation_params": {"model": EVIL},
-             "episodes": [{"seed": 1, "invalid_reason": EVIL, "scores": {}}]}
+    group = scored_group([[1, 2, 3]], [episode_record(1, "invalid", invalid_reason=EVIL)], masks=[[-100, 2, 3]],
+                         scores=[1.0], inference_logprobs=[[1.0, -0.5, -0.1]], messages=[rows[0].messages],
+                         generation_params={"model": EVIL})
     with DatasetView(tmp_path / "groups.html") as view:
         view.add(group)
     chunk = (tmp_path / "groups-view" / "chunk-0000.js").read_text(encoding="utf-8")

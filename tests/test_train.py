@@ -99,7 +99,7 @@ def test_sampled_logprobs_are_what_training_computes(tiny_policy, solution, grou
     player = Player(tiny_policy, tiny_policy.chat, solution, EpisodeSettings())
     tiny_policy.record_layer = 1
     [result] = asyncio.run(play_deal(player, 7, GroupConfig(group_size=4, group_by=group_by)))[:1]
-    group = result.group
+    group = result.group.to_json()  # as a trainer receives it
     targets = trained_targets(group)
     assert targets.old_logprobs is not None and len(targets.rows) > 0
     with torch.no_grad():
@@ -221,7 +221,8 @@ def test_trains_on_batches_pulled_from_the_trajectory_api(tiny_policy, solution,
     from conftest_api import ServerProcess
 
     player = Player(tiny_policy, tiny_policy.chat, solution, EpisodeSettings(scoring="expected"))
-    groups = [r.group for seed in (1, 2) for r in asyncio.run(play_deal(player, seed, GroupConfig(group_size=4)))]
+    groups = [r.group.to_json() for seed in (1, 2)
+              for r in asyncio.run(play_deal(player, seed, GroupConfig(group_size=4)))]
     groups[0]["scores"] = [1.0, -1.0, 0.5, -0.5]  # make sure at least one group carries signal
     api = ServerProcess(tmp_path / "api.sqlite").start()
     try:

@@ -191,7 +191,7 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     console.print(f"Metrics in [bold]{settings.out}/metrics.json[/bold]"
                   + (f", every episode in [bold]{settings.out}/samples.jsonl[/bold]" if settings.evaluate.samples else "")
                   + f"; the report is [bold]{settings.out}/report.html[/bold]")
-    return 0 if metrics["episodes_failed"] == 0 else 3
+    return 0 if metrics.episodes_failed == 0 else 3
 
 
 def _cmd_grid(args: argparse.Namespace, console: Console) -> int:

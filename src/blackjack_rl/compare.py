@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from .evaluate import MIN_N_FOR_INTERVAL, interval, max_payout
-from .game import Rules
+from .records import SCORED_AS_INVALID, DecisionRecord, Metrics, Outcome, SampleRow, Status
 
-Row = dict[str, Any]
+Row = SampleRow
 
 
 @dataclass
@@ -24,7 +24,7 @@ class Run:
     """One evaluation run: its metrics.json and its episodes (samples.jsonl rows)."""
 
     name: str
-    metrics: dict[str, Any]
+    metrics: Metrics
     rows: list[Row]
 
 
@@ -83,48 +83,44 @@ def paired_difference(a: Sequence[float], b: Sequence[float], bounds: tuple[floa
 
 def _game_reward(row: Row, invalid_score: float) -> float | None:
     """The hand's reward; an answer that ended the game early counts the invalid score."""
-    if row.get("status") != "finished":
+    if row.status != Status.FINISHED:
         return invalid_score
-    return row.get("reward")
+    return row.reward
 
 
 def _expected(row: Row, invalid_score: float) -> float | None:
     """V*(s0) minus the regret of the decisions taken: the worth of the play without the luck
     of the later cards (an unbiased estimate of the policy's value from this deal)."""
-    if row.get("status") != "finished":
+    if row.status != Status.FINISHED:
         return invalid_score
-    start, regret = row.get("start_value"), row.get("regret")
-    return None if start is None or regret is None else start - regret
+    return None if row.start_value is None else row.start_value - row.regret
 
 
 def _win(row: Row, invalid_score: float) -> float | None:
-    return float(row.get("outcome") == "win")
+    return float(row.outcome == Outcome.WIN)
 
 
 def _loss(row: Row, invalid_score: float) -> float | None:
-    return float(row.get("outcome") == "loss")
+    return float(row.outcome == Outcome.LOSS)
 
 
 def _invalid(row: Row, invalid_score: float) -> float | None:
-    return float(row.get("status") in ("invalid", "truncated"))
+    return float(row.status in SCORED_AS_INVALID)
 
 
-def _first_decision(row: Row) -> dict[str, Any] | None:
-    decisions = row.get("decisions") or []
-    return decisions[0] if decisions else None
+def _first_decision(row: Row) -> DecisionRecord | None:
+    return row.decisions[0] if row.decisions else None
 
 
 def _first_correct(row: Row, invalid_score: float) -> float | None:
     """The first decision of a deal is taken in the same state by every run, so it pairs exactly."""
     d = _first_decision(row)
-    return None if d is None else float(d.get("action") == d.get("optimal"))
+    return None if d is None else float(d.action == d.optimal)
 
 
 def _first_regret(row: Row, invalid_score: float) -> float | None:
     d = _first_decision(row)
-    if d is None:
-        return None
-    return d["regret"] if d.get("regret") is not None else None
+    return None if d is None else d.regret
 
 
 @dataclass(frozen=True)
@@ -171,10 +167,10 @@ class Pairing:
 
 
 def pair_by_seed(a_rows: Iterable[Row], b_rows: Iterable[Row]) -> Pairing:
-    by_seed_a = {r["seed"]: r for r in a_rows}
-    by_seed_b = {r["seed"]: r for r in b_rows}
+    by_seed_a = {r.seed: r for r in a_rows}
+    by_seed_b = {r.seed: r for r in b_rows}
     common = sorted(by_seed_a.keys() & by_seed_b.keys())
-    ok = [s for s in common if by_seed_a[s].get("status") != "failed" and by_seed_b[s].get("status") != "failed"]
+    ok = [s for s in common if by_seed_a[s].status != Status.FAILED and by_seed_b[s].status != Status.FAILED]
     return Pairing(
         seeds=ok,
         a=[by_seed_a[s] for s in ok],
@@ -213,16 +209,16 @@ def check_comparable(runs: Sequence[Run]) -> None:
     """Runs on different rules play different games: pairing them would be meaningless."""
     if len(runs) < 2:
         raise ValueError("compare needs at least two runs: blackjack-rl compare RUN_A RUN_B [RUN_C ...]")
-    rules = [r.metrics.get("rules") for r in runs]
+    rules = [r.metrics.rules for r in runs]
     for run, r in zip(runs[1:], rules[1:]):
         if r != rules[0]:
             raise ValueError(
-                f"{run.name} was played under rules {r} but {runs[0].name} under {rules[0]}; "
+                f"{run.name} was played under rules {r.model_dump()} but {runs[0].name} under {rules[0].model_dump()}; "
                 "compare runs evaluated with the same --natural/--sab flags"
             )
-    first = runs[0].metrics.get("seeds", {}).get("first")
+    first = runs[0].metrics.seeds.first
     for run in runs[1:]:
-        if run.metrics.get("seeds", {}).get("first") != first:
+        if run.metrics.seeds.first != first:
             raise ValueError(f"{run.name} and {runs[0].name} were evaluated on different seed sets; "
                              "re-run both with the current `blackjack-rl evaluate`")
 
@@ -230,8 +226,8 @@ def check_comparable(runs: Sequence[Run]) -> None:
 def compare_pair(a: Run, b: Run) -> Comparison:
     pairing = pair_by_seed(a.rows, b.rows)
     result = Comparison(a.name, b.name, len(pairing.seeds), pairing.only_a, pairing.only_b, pairing.failed)
-    invalid_score = float(a.metrics.get("invalid_score", -1.0))
-    best = max_payout(Rules(**(a.metrics.get("rules") or {})))
+    invalid_score = a.metrics.invalid_score
+    best = max_payout(a.metrics.rules)
     low, high = min(-1.0, invalid_score), max(best, invalid_score)
     for q in QUANTITIES:
         xs, ys = [], []
@@ -256,14 +252,14 @@ def comparison_notes(a: Run, b: Run, invalid_score: float) -> list[str]:
     trained = []
     for run in (a, b):
         m = run.metrics
-        scoring, bonus = m.get("scoring"), m.get("format_bonus")
+        scoring, bonus = m.scoring, m.format_bonus
         trained.append((run.name, scoring, bonus))
     if any(bonus for _, _, bonus in trained) or len({(s, bn) for _, s, bn in trained}) > 1:
         notes.append("Training scores left out of the comparison: " + "; ".join(
             f"{name} scored {scoring or 'unrecorded'} with format bonus {bonus if bonus is not None else 'unrecorded'}"
             for name, scoring, bonus in trained) + ".")
-    other = b.metrics.get("invalid_score")
-    if other is not None and float(other) != invalid_score:
+    other = b.metrics.invalid_score
+    if other != invalid_score:
         notes.append(f"{b.name} was evaluated with invalid score {other:+g}; its invalid answers are counted at "
                      f"{a.name}'s {invalid_score:+g} here.")
     return notes
@@ -284,12 +280,12 @@ def strategy_differences(a_rows: Iterable[Row], b_rows: Iterable[Row], min_visit
     def rates(rows: Iterable[Row]) -> dict[tuple[int, int, int], tuple[int, int]]:
         out: dict[tuple[int, int, int], list[int]] = {}
         for row in rows:
-            for d in row.get("decisions") or []:
-                if d.get("action") is None:
+            for d in row.decisions:
+                if d.action is None:
                     continue
-                key = tuple(d["state"])
+                key = tuple(d.state)
                 c = out.setdefault(key, [0, 0])
-                c[0] += d["action"] == "hit"
+                c[0] += d.action == "hit"
                 c[1] += 1
         return {k: (v[0], v[1]) for k, v in out.items()}
 

@@ -20,9 +20,9 @@ from typing import Any, Literal
 
 from .game import Observation, Rules, Table
 from .protocol import ACTION_NAMES, STICK, ParsedAction, observation_text, parse_action, system_prompt, tool_call_text
+from .records import DecisionRecord, Outcome, Status, Truncation
 from .solver import Solution, solve
 
-Status = Literal["playing", "finished", "invalid", "truncated", "failed"]
 Scoring = Literal["outcome", "expected"]
 
 
@@ -60,16 +60,16 @@ class Decision:
     parse_error: str | None
     text: str
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "state": [self.player_sum, self.dealer_card, int(self.usable_ace)],
-            "natural": self.natural,
-            "action": ACTION_NAMES.get(self.action) if self.action is not None else None,
-            "optimal": ACTION_NAMES[self.optimal],
-            "regret": self.regret,
-            "parse_error": self.parse_error,
-            "text": self.text,
-        }
+    def record(self) -> DecisionRecord:
+        return DecisionRecord(
+            state=[self.player_sum, self.dealer_card, int(self.usable_ace)],
+            natural=self.natural,
+            action=ACTION_NAMES.get(self.action) if self.action is not None else None,
+            optimal=ACTION_NAMES[self.optimal],
+            regret=self.regret,
+            parse_error=self.parse_error,
+            text=self.text,
+        )
 
 
 @dataclass
@@ -77,8 +77,8 @@ class Play:
     """What one game produced: the record every consumer (episodes, evaluation, adapters) reads."""
 
     seed: int = 0
-    status: Status = "playing"
-    outcome: Literal["win", "draw", "loss"] | None = None
+    status: Status = Status.PLAYING
+    outcome: Outcome | None = None
     reward: float | None = None  # the game's reward, when the game finished
     score: float | None = None  # what training sees (the chosen scoring mode); None while playing or failed
     scores: dict[str, float] = field(default_factory=dict)  # every scoring mode, always reported
@@ -101,7 +101,7 @@ def episode_scores(play: Play, settings: EnvSettings) -> dict[str, float]:
     """
     answers = len(play.decisions)
     bonus = settings.format_bonus * (sum(d.action is not None for d in play.decisions) / answers) if answers else 0.0
-    if play.status != "finished":
+    if play.status != Status.FINISHED:
         return {"outcome": settings.invalid_score + bonus, "expected": settings.invalid_score + bonus}
     regret = sum(d.regret for d in play.decisions if d.regret is not None)
     return {"outcome": float(play.reward) + bonus, "expected": float(play.start_value) - regret + bonus}
@@ -167,7 +167,7 @@ class BlackjackEnv:
 
     @property
     def done(self) -> bool:
-        return self.play.status != "playing"
+        return self.play.status != Status.PLAYING
 
     @property
     def turn(self) -> int:
@@ -179,7 +179,7 @@ class BlackjackEnv:
         given, is filled in place of a fresh `Play` (episode play passes its `Episode`)."""
         play = record if record is not None else Play()
         play.seed = int(seed)
-        play.status = "playing"
+        play.status = Status.PLAYING
         self.play = play
         self.observation = self.table.reset(play.seed)
         play.start_value = self.solution.v(self.observation, self.natural)
@@ -213,7 +213,7 @@ class BlackjackEnv:
             if allow_retry and retry_left:
                 play.retries += 1
                 return retry_text(parsed, obs), 0.0, False, False, self._more(info)
-            play.status, play.invalid_reason = "invalid", parsed.error.value
+            play.status, play.invalid_reason = Status.INVALID, parsed.error.value
             return None, self._score(), True, False, self._more(info)
 
         regret = self.solution.regret(obs, parsed.action, natural)
@@ -221,24 +221,24 @@ class BlackjackEnv:
         play.decisions.append(Decision(*obs, natural, parsed.action, best, regret, None, text))
         result = self.table.step(parsed.action)
         if result.terminated:
-            play.status, play.reward = "finished", result.reward
-            play.outcome = "win" if result.reward > 0 else "loss" if result.reward < 0 else "draw"
+            play.status, play.reward = Status.FINISHED, result.reward
+            play.outcome = Outcome.WIN if result.reward > 0 else Outcome.LOSS if result.reward < 0 else Outcome.DRAW
             return None, self._score(), True, False, self._more(info)
         self.observation = result.observation
         next_text = observation_text(*result.observation)
         if self.turn >= self.settings.max_turns:
-            self.truncate("turn_limit")
+            self.truncate(Truncation.TURN_LIMIT)
             return next_text, float(play.score), False, True, self._more(info)
         return next_text, 0.0, False, False, self._more(info)
 
     def truncate(self, reason: str) -> float:
         """End the episode without a game result (turn limit, or a caller's token budget); scored like invalid."""
-        self.play.status, self.play.invalid_reason = "truncated", reason
+        self.play.status, self.play.invalid_reason = Status.TRUNCATED, reason
         return self._score()
 
     def fail(self) -> None:
         """End the episode with no score: no answer could be obtained (never counted as a game)."""
-        self.play.status, self.play.score = "failed", None
+        self.play.status, self.play.score = Status.FAILED, None
         self._record_hands()
 
     def close(self) -> None:
@@ -272,7 +272,7 @@ class BlackjackEnv:
         """After an answer: how the episode stands."""
         play = self.play
         info.update(status=play.status, outcome=play.outcome, turn=self.turn, retries=play.retries)
-        if play.status != "playing":
+        if play.status != Status.PLAYING:
             info.update(score=play.score, scores=dict(play.scores), invalid_reason=play.invalid_reason,
                         game_reward=play.reward)
         return info

@@ -19,6 +19,7 @@ from .env import BlackjackEnv, Decision, EnvSettings, Play, Status, episode_scor
 from .game import Table
 from .policies.base import InferenceError, Policy, Reply, Turn
 from .protocol import ACTION_NAMES, split_thinking
+from .records import EpisodeRecord, SampleRow, Truncation
 from .solver import Solution
 from .tokens import ChatFormat, Trajectory
 
@@ -48,7 +49,7 @@ class EpisodeSettings(EnvSettings):
 class Episode(Play):
     """A game (`Play`) with what playing it through a policy adds: messages, tokens, errors."""
 
-    status: Status = "failed"
+    status: Status = Status.FAILED
     index: int = 0
     thoughts_truncated: int = 0  # model turns whose earlier thoughts were cut to fit the budget
     error: str | None = None
@@ -57,28 +58,36 @@ class Episode(Play):
 
     @property
     def failed(self) -> bool:
-        return self.status == "failed"
+        return self.status == Status.FAILED
 
-    def summary(self) -> dict[str, Any]:
-        """Per-episode metadata that travels with a group and into samples.jsonl."""
-        return {
-            "seed": self.seed,
-            "index": self.index,
-            "status": self.status,
-            "outcome": self.outcome,
-            "reward": self.reward,
-            "score": self.score,
-            "scores": self.scores,
-            "start_value": self.start_value,
-            "invalid_reason": self.invalid_reason,
-            "retries": self.retries,
-            "error": self.error,
-            "actions": [ACTION_NAMES.get(d.action) if d.action is not None else None for d in self.decisions],
-            "optimal_actions": [ACTION_NAMES[d.optimal] for d in self.decisions],
-            "regret": sum(d.regret for d in self.decisions if d.regret is not None),
-            "player_hand": self.player_hand,
-            "dealer_hand": self.dealer_hand,
-        }
+    def record(self) -> EpisodeRecord:
+        """Per-episode metadata that travels with a group (and opens its samples.jsonl row)."""
+        return EpisodeRecord(**self._record_fields())
+
+    def sample_row(self) -> SampleRow:
+        """The samples.jsonl row: the metadata, every decision, the messages."""
+        return SampleRow(**self._record_fields(), decisions=[d.record() for d in self.decisions],
+                         messages=self.messages)
+
+    def _record_fields(self) -> dict[str, Any]:
+        return dict(
+            seed=self.seed,
+            index=self.index,
+            status=self.status,
+            outcome=self.outcome,
+            reward=self.reward,
+            score=self.score,
+            scores=self.scores,
+            start_value=self.start_value,
+            invalid_reason=self.invalid_reason,
+            retries=self.retries,
+            error=self.error,
+            actions=[ACTION_NAMES.get(d.action) if d.action is not None else None for d in self.decisions],
+            optimal_actions=[ACTION_NAMES[d.optimal] for d in self.decisions],
+            regret=sum(d.regret for d in self.decisions if d.regret is not None),
+            player_hand=self.player_hand,
+            dealer_hand=self.dealer_hand,
+        )
 
 
 def sampling_seed(deal_seed: int, index: int, turn: int) -> int:
@@ -110,7 +119,7 @@ async def play_episode(
         if len(ep.trajectory) + settings.max_new_tokens > settings.max_token_length and settings.thinking:
             _drop_old_thoughts(ep, chat)
         if len(ep.trajectory) + settings.max_new_tokens > settings.max_token_length:
-            env.truncate("context_limit")
+            env.truncate(Truncation.CONTEXT_LIMIT)
             return ep
         turn = env.turn
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
 
 from .episode import Episode, EpisodeSettings, opening_messages, play_episode, sampling_seed
 from .game import Rules, Table
@@ -23,25 +23,9 @@ from .credit import (
     spread,
     validity_advantages,
 )
+from .records import DropReason, ScoredDataGroup, Status
 from .solver import Solution
 from .tokens import MASKED, ChatFormat, trained_spans
-
-
-class ScoredDataGroup(TypedDict, total=False):
-    """Atropos' wire format (one JSONL line, one API post), plus our `episodes` metadata."""
-
-    tokens: list[list[int]]
-    masks: list[list[int]]
-    scores: list[float]
-    inference_logprobs: list[list[float]]
-    advantages: list[list[float]] | None
-    ref_logprobs: list[list[float]] | None
-    messages: list[list[dict[str, str]]]
-    generation_params: dict[str, Any]
-    overrides: list[dict[str, Any]] | None
-    group_overrides: dict[str, Any] | None
-    env_id: int | None
-    episodes: list[dict[str, Any]]
 
 
 class TablePool:
@@ -105,7 +89,7 @@ class GroupResult:
     seed: int
     episodes: list[Episode]
     group: ScoredDataGroup | None  # None when dropped
-    dropped: str | None = None  # "failed_episodes" or "equal_scores"
+    dropped: DropReason | None = None
 
 
 async def play_group(
@@ -131,13 +115,13 @@ async def play_group(
     if any(ep.failed for ep in episodes):
         # A group with a hole would change GRPO's baseline and the group size the API
         # expects; the failures stay visible in the counts instead.
-        return GroupResult(seed, episodes, None, "failed_episodes")
+        return GroupResult(seed, episodes, None, DropReason.FAILED_EPISODES)
     scores = [ep.score for ep in episodes]
     if drop_equal_scores and len(episodes) > 1 and len(set(scores)) == 1:
-        return GroupResult(seed, episodes, None, "equal_scores")
+        return GroupResult(seed, episodes, None, DropReason.EQUAL_SCORES)
     group = pack_group(episodes, player.policy.generation_params())
     if token_advantages:
-        group["advantages"] = episode_advantages(episodes, player, scale_decisions, format_weight)
+        group.advantages = episode_advantages(episodes, player, scale_decisions, format_weight)
     return GroupResult(seed, episodes, group)
 
 
@@ -147,7 +131,7 @@ def episode_advantages(episodes: list[Episode], player: Player, scale_decisions:
     the episode's validity credit against its group, each decision's action tokens that
     decision's Q* against the mean of both actions."""
     settings, solution, decode = player.settings, player.solution, player.chat.backend.decode
-    credits = [AnswerCredit(ep.status == "finished", None) for ep in episodes]
+    credits = [AnswerCredit(ep.status == Status.FINISHED, None) for ep in episodes]
     fmt = validity_advantages(credits, settings.invalid_score, settings.format_bonus, format_weight)
     rows = []
     for ep, f in zip(episodes, fmt):
@@ -179,9 +163,7 @@ def pack_group(episodes: list[Episode], generation_params: dict[str, Any]) -> Sc
         scores=[float(ep.score) for ep in episodes],
         messages=[ep.messages for ep in episodes],
         generation_params=generation_params,
-        overrides=None,
-        group_overrides=None,
-        episodes=[ep.summary() for ep in episodes],
+        episodes=[ep.record() for ep in episodes],
     )
 
 

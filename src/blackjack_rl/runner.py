@@ -18,6 +18,7 @@ from .evaluate import compute_metrics, run_evaluation
 from .deals import play_deal
 from .groups import GroupResult, Player
 from .outputs import prepare_folder, write_text, writing
+from .records import Metrics
 
 
 def group_seeds(seed: int, n: int) -> list[int]:
@@ -78,12 +79,12 @@ async def run_process(settings: Settings, player: Player, progress: bool = True,
         async for deal_results in results:
             for result in deal_results:
                 # step groups carry per-answer metadata, not Episode records
-                episodes += len(result.episodes) if result.episodes else len((result.group or {}).get("scores", []))
+                episodes += len(result.episodes) if result.episodes else len(result.group.scores) if result.group else 0
                 failed += sum(ep.failed for ep in result.episodes)
                 if result.group is None:
                     dropped[result.dropped or "?"] = dropped.get(result.dropped or "?", 0) + 1
                 else:
-                    fh.write(json.dumps(result.group, separators=(",", ":")) + "\n")
+                    fh.write(json.dumps(result.group.to_json(), separators=(",", ":")) + "\n")
                     view.add(result.group)
                     written += 1
             fh.flush()
@@ -94,19 +95,8 @@ async def run_process(settings: Settings, player: Player, progress: bool = True,
     return ProcessSummary(written, dropped, episodes, failed, path, html, time.perf_counter() - t0)
 
 
-def episode_rows(episodes) -> list[dict[str, Any]]:
-    """samples.jsonl rows: what the report and `compare` read back."""
-    rows = []
-    for ep in episodes:
-        row = ep.summary()
-        row["decisions"] = [d.to_dict() for d in ep.decisions]
-        row["messages"] = ep.messages
-        rows.append(row)
-    return rows
-
-
 async def run_evaluate(settings: Settings, player: Player, progress: bool = True,
-                       play: EpisodeSource | None = None) -> dict[str, Any]:
+                       play: EpisodeSource | None = None) -> Metrics:
     """Writes samples.jsonl, report.html, then metrics.json, each whole or not at all: a folder
     with a metrics.json holds a finished run, and only this run's files."""
     out = prepare_folder(settings.out, "metrics.json", "samples.jsonl", "report.html")
@@ -120,22 +110,22 @@ async def run_evaluate(settings: Settings, player: Player, progress: bool = True
     bar.close()
     seconds = time.perf_counter() - t0
     metrics = compute_metrics(episodes, player)
-    metrics["seconds"] = seconds
-    metrics["episodes_per_second"] = len(episodes) / seconds if seconds > 0 else None
+    metrics.seconds = seconds
+    metrics.episodes_per_second = len(episodes) / seconds if seconds > 0 else None
     if settings.evaluate.grid:
         from .probe import exact_grid
 
-        metrics["grid"] = await exact_grid(player)
+        metrics.grid = await exact_grid(player)
     try:
-        metrics_text = json.dumps(metrics, indent=2, allow_nan=False) + "\n"
+        metrics_text = json.dumps(metrics.to_json(), indent=2, allow_nan=False) + "\n"
     except ValueError:
         raise ValueError("the metrics hold a number that is not finite (NaN or infinity); nothing was written. "
                          "Check --invalid-score and --format-bonus") from None
-    rows = episode_rows(episodes)
+    rows = [ep.sample_row() for ep in episodes]
     if settings.evaluate.samples:
         with writing(out / "samples.jsonl") as fh:
             for row in rows:
-                fh.write(json.dumps(row) + "\n")
+                fh.write(json.dumps(row.to_json()) + "\n")
     from .report.evaluation import write_report
 
     write_report(out / "report.html", metrics, rows, player.solution)

@@ -37,6 +37,7 @@ from .config import Settings
 from .evaluate import compute_metrics, run_evaluation
 from .deals import play_deal
 from .groups import GroupResult, Player
+from .records import EpisodeRecord, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -235,18 +236,18 @@ class Worker:
         if result.group is None:
             s.groups_dropped[result.dropped or "?"] = s.groups_dropped.get(result.dropped or "?", 0) + 1
             return
-        sent = await self.client.submit([result.group], key=key)
+        sent = await self.client.submit([result.group.to_json()], key=key)
         self._sent_since_poll += sent.sent_groups
         s.groups_sent += sent.sent_groups
         s.groups_rejected += len(sent.rejected)
         s.groups_parked = sent.parked_groups
-        meta = result.group.get("episodes") or []
+        meta = result.group.episodes
         self.metrics.write(
             "group",
             seed=result.seed,
-            mean_score=sum(result.group["scores"]) / len(result.group["scores"]),
-            valid_rate=sum(m.get("invalid_reason") is None for m in meta) / max(1, len(meta)),
-            win_rate=sum(m.get("outcome") == "win" for m in meta) / max(1, len(meta)),
+            mean_score=sum(result.group.scores) / len(result.group.scores),
+            valid_rate=sum(m.invalid_reason is None for m in meta) / max(1, len(meta)),
+            win_rate=sum(isinstance(m, EpisodeRecord) and m.outcome == Outcome.WIN for m in meta) / max(1, len(meta)),
             sent=s.groups_sent,
             parked=s.groups_parked,
             rejected=s.groups_rejected,
@@ -266,11 +267,11 @@ class Worker:
             episodes = await run_evaluation(self.player, self.cfg.eval_episodes, self.settings.evaluate.concurrency)
             m = compute_metrics(episodes, self.player)
             self.stats.evaluations += 1
-            self.metrics.write("eval", step=step, mean_reward=m["mean_reward"]["mean"], win_rate=m["win"]["rate"],
-                               invalid_rate=m["invalid"]["rate"], decision_accuracy=m["decision_accuracy"]["rate"],
-                               mean_regret=m["mean_regret"]["mean"], episodes=m["episodes"])
-            log.info("eval at step %s: mean reward %.4f, invalid %.1f%%", step, m["mean_reward"]["mean"] or 0,
-                     100 * (m["invalid"]["rate"] or 0))
+            self.metrics.write("eval", step=step, mean_reward=m.mean_reward.mean, win_rate=m.win.rate,
+                               invalid_rate=m.invalid.rate, decision_accuracy=m.decision_accuracy.rate,
+                               mean_regret=m.mean_regret.mean, episodes=m.episodes)
+            log.info("eval at step %s: mean reward %.4f, invalid %.1f%%", step, m.mean_reward.mean or 0,
+                     100 * (m.invalid.rate or 0))
 
         self._eval_task = asyncio.create_task(evaluate())
 

@@ -49,9 +49,10 @@ from .credit import (
 )
 from .env import BlackjackEnv
 from .episode import sampling_seed, without_thoughts
-from .groups import GroupResult, Player, ScoredDataGroup
+from .groups import GroupResult, Player
 from .policies.base import Reply, Turn, answers_at_once
 from .protocol import ACTION_NAMES, HIT, STICK, parse_action, tool_call_text
+from .records import GROUP_BY_STEP, DropReason, ScoredDataGroup, Status, StepRecord
 from .tokens import MASKED, Trajectory
 
 FORCED = (HIT, STICK)  # the order in which a counterfactual group appends the two calls
@@ -65,7 +66,7 @@ class StepDeal:
 
     seed: int
     groups: list[GroupResult] = field(default_factory=list)
-    status: str = "finished"  # finished | invalid | truncated | failed
+    status: Status = Status.FINISHED
     reward: float | None = None
     error: str | None = None
 
@@ -111,7 +112,7 @@ async def play_step_groups(
             if settings.thinking and len(context) + settings.max_new_tokens > settings.max_token_length:
                 messages, context = without_thoughts(messages, chat)
             if len(context) + settings.max_new_tokens > settings.max_token_length:
-                deal.status = "truncated"
+                deal.status = Status.TRUNCATED
                 return deal
             obs, natural = env.observation, env.natural
             prompt = list(context.tokens)
@@ -119,7 +120,7 @@ async def play_step_groups(
             try:
                 replies = await _sample(player, turn, group_size, limiter) if group_size else []
             except Exception as exc:  # no answers: the deal fails; groups already made stay valid
-                deal.status, deal.error = "failed", f"{type(exc).__name__}: {exc}"
+                deal.status, deal.error = Status.FAILED, f"{type(exc).__name__}: {exc}"
                 return deal
             q = solution.q_values(obs, natural)
             best = solution.best_action(obs, natural)
@@ -129,7 +130,7 @@ async def play_step_groups(
                 try:
                     forced, p_call, p_valid = await _forced_replies(player, prompt)
                 except Exception as exc:  # no logprobs of the calls: the deal fails, like a failed answer
-                    deal.status, deal.error = "failed", f"{type(exc).__name__}: {exc}"
+                    deal.status, deal.error = Status.FAILED, f"{type(exc).__name__}: {exc}"
                     return deal
                 replies = [*replies, *forced]
                 parsed = [*parsed, *(parse_action(r.text) for r in forced)]
@@ -144,35 +145,34 @@ async def play_step_groups(
                 inference_logprobs=[t.logprobs for t in sequences],
                 scores=scores,
                 messages=[[*messages, {"role": "assistant", "content": r.text}] for r in replies],
-                generation_params={**player.policy.generation_params(), "group_by": "step"},
-                overrides=None,
-                group_overrides=None,
+                generation_params={**player.policy.generation_params(), "group_by": GROUP_BY_STEP},
                 episodes=[
-                    {
-                        "seed": seed,
-                        "decision": turn_index,
-                        "index": i,
-                        "state": [obs.player_sum, obs.dealer_card, int(obs.usable_ace)],
-                        "natural": natural,
-                        "action": ACTION_NAMES.get(p.action) if p.valid else None,
-                        "optimal": ACTION_NAMES[best],
-                        "q": {"stick": q[0], "hit": q[1]},
-                        "invalid_reason": p.error.value if p.error else None,
-                        "score": scores[i],
-                        "forced": credits[i].forced,
-                    }
+                    StepRecord(
+                        seed=seed,
+                        decision=turn_index,
+                        index=i,
+                        state=[obs.player_sum, obs.dealer_card, int(obs.usable_ace)],
+                        natural=natural,
+                        action=ACTION_NAMES.get(p.action) if p.valid else None,
+                        optimal=ACTION_NAMES[best],
+                        q={"stick": q[0], "hit": q[1]},
+                        invalid_reason=p.error.value if p.error else None,
+                        score=scores[i],
+                        forced=credits[i].forced,
+                    )
                     for i, p in enumerate(parsed)
                 ],
             )
             if counterfactual:
-                group["generation_params"]["counterfactual"] = True
-                group["episodes"][0]["p_call"] = {"hit": p_call[HIT], "stick": p_call[STICK]}
-                group["episodes"][0]["p_valid"] = p_valid
+                group.generation_params["counterfactual"] = True
+                group.episodes[0].p_call = {"hit": p_call[HIT], "stick": p_call[STICK]}
+                group.episodes[0].p_valid = p_valid
             if token_advantages or counterfactual:
-                group["advantages"] = _advantages(sequences, replies, credits, q, p_call, settings, chat,
-                                                  scale_decisions, format_weight, p_valid)
+                group.advantages = _advantages(sequences, replies, credits, q, p_call, settings, chat,
+                                               scale_decisions, format_weight, p_valid)
             dropped = drop_equal_scores and len(set(scores)) == 1 and len(scores) > 1
-            deal.groups.append(GroupResult(seed, [], None if dropped else group, "equal_scores" if dropped else None))
+            deal.groups.append(GroupResult(seed, [], None if dropped else group,
+                                           DropReason.EQUAL_SCORES if dropped else None))
 
             if group_size == 0:  # the policy's own choice between the two calls, at its temperature
                 pick = FORCED.index(best) if continue_with == "best" else _choose(p_call, turn.seed)
@@ -181,8 +181,8 @@ async def play_step_groups(
             chosen = replies[pick]
             # the canonical episode plays the chosen answer (never re-prompted: its group already scored it)
             text, _, terminated, truncated, _ = env.step(chosen.text, chosen.tool_calls, allow_retry=False)
-            if env.play.status == "invalid":
-                deal.status = "invalid"
+            if env.play.status == Status.INVALID:
+                deal.status = Status.INVALID
                 return deal
             if terminated:
                 deal.reward = env.play.reward
@@ -191,7 +191,7 @@ async def play_step_groups(
             context.add_context(sequences[pick].tokens[len(prompt):])
             context.add_context(chat.next_turn_ids(text))
             if truncated:  # the turn limit
-                deal.status = "truncated"
+                deal.status = Status.TRUNCATED
                 return deal
     finally:
         player.tables.release(table)

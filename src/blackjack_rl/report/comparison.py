@@ -17,8 +17,8 @@ HEADLINE = ("outcome", "expected")  # the quantities the verdicts and the plot a
 
 def comparison_json(runs: Sequence[Run], comparisons: Sequence[Comparison]) -> dict[str, Any]:
     return {
-        "runs": [{"name": r.name, "policy": r.metrics.get("policy"), "episodes": r.metrics.get("episodes"),
-                  "mean_reward": r.metrics.get("mean_reward")} for r in runs],
+        "runs": [{"name": r.name, "policy": r.metrics.policy, "episodes": r.metrics.episodes,
+                  "mean_reward": r.metrics.mean_reward.to_json()} for r in runs],
         "baseline": runs[0].name,
         "comparisons": [c.to_dict() for c in comparisons],
     }
@@ -42,7 +42,7 @@ def _forest_items(comparisons: Sequence[Comparison]) -> list[dict[str, Any]]:
 def comparison_context(runs: Sequence[Run], comparisons: Sequence[Comparison]) -> dict[str, Any]:
     rows = []
     for r in runs:
-        params = r.metrics.get("policy") or {}
+        params = r.metrics.policy
         rows.append({"name": r.name, "m": r.metrics, "mode": decoding_mode(params),
                      "policy": params.get("model") or params.get("policy")})
     blocks = []

@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table as RichTable
 
+from ..records import MeanCI, Metrics, RateCI
 from ..solver import DEALER_CARDS, HIT, Solution, baselines
 
 
@@ -54,57 +55,56 @@ def solution_json(solution: Solution) -> dict[str, Any]:
     }
 
 
-def _pct(r: dict[str, Any]) -> str:
-    if r.get("rate") is None:
+def _pct(r: RateCI) -> str:
+    if r.rate is None:
         return "-"
-    return f"{r['rate']:.1%}  [{r['ci95_low']:.1%}, {r['ci95_high']:.1%}]"
+    return f"{r.rate:.1%}  [{r.ci95_low:.1%}, {r.ci95_high:.1%}]"
 
 
-def _mean(r: dict[str, Any], fmt: str = "+.4f") -> str:
+def _mean(r: MeanCI, fmt: str = "+.4f") -> str:
     """A mean with its interval, or with "too few" where there are too few values for one."""
-    if r.get("mean") is None:
+    if r.mean is None:
         return "-"
-    if r.get("ci95_low") is None:
-        return f"{r['mean']:{fmt}}  (too few for a CI: {r['n']})"
-    return f"{r['mean']:{fmt}}  [{r['ci95_low']:{fmt}}, {r['ci95_high']:{fmt}}]"
+    if r.ci95_low is None:
+        return f"{r.mean:{fmt}}  (too few for a CI: {r.n})"
+    return f"{r.mean:{fmt}}  [{r.ci95_low:{fmt}}, {r.ci95_high:{fmt}}]"
 
 
-def print_metrics(m: dict[str, Any], console: Console) -> None:
-    policy = m["policy"]
+def print_metrics(m: Metrics, console: Console) -> None:
+    policy = m.policy
     name = policy.get("model") or policy.get("policy")
     mode = ""
     if policy.get("constrained"):
         server_mode = policy.get("structured_output")
         mode = f" (constrained: {server_mode})" if server_mode else " (constrained)"
-    t = RichTable(title=f"Evaluation of {name}{mode}: {m['episodes']} fixed deals")
+    t = RichTable(title=f"Evaluation of {name}{mode}: {m.episodes} fixed deals")
     t.add_column("metric")
     t.add_column("value (95% CI)", justify="right")
-    mr = m["mean_reward"]
-    t.add_row("episodes played / failed", f"{m['episodes_played']} / {m['episodes_failed']}")
-    if mr["mean"] is not None:
-        t.add_row("mean reward (invalid = %+.1f)" % m["invalid_score"], _mean(mr))
-    me = m.get("mean_expected_score") or {}
-    if me.get("mean") is not None:
-        t.add_row("expected score (V* - regret)", _mean(me))
-    t.add_row("win", _pct(m["win"]))
-    t.add_row("draw", _pct(m["draw"]))
-    t.add_row("loss", _pct(m["loss"]))
-    t.add_row("invalid answer", _pct(m["invalid"]))
-    for reason, v in m["invalid_by_reason"].items():
-        t.add_row(f"  {reason}", f"{v['count']} ({v['rate']:.1%})")
-    t.add_row("decisions (valid)", f"{m['decisions']} ({m['valid_decisions']})")
-    t.add_row("decision accuracy vs optimal", _pct(m["decision_accuracy"]))
-    if m["mean_regret"]["mean"] is not None:
-        t.add_row("mean regret per valid decision", _mean(m["mean_regret"], ".4f"))
+    mr = m.mean_reward
+    t.add_row("episodes played / failed", f"{m.episodes_played} / {m.episodes_failed}")
+    if mr.mean is not None:
+        t.add_row("mean reward (invalid = %+.1f)" % m.invalid_score, _mean(mr))
+    if m.mean_expected_score.mean is not None:
+        t.add_row("expected score (V* - regret)", _mean(m.mean_expected_score))
+    t.add_row("win", _pct(m.win))
+    t.add_row("draw", _pct(m.draw))
+    t.add_row("loss", _pct(m.loss))
+    t.add_row("invalid answer", _pct(m.invalid))
+    for reason, v in m.invalid_by_reason.items():
+        t.add_row(f"  {reason}", f"{v.count} ({v.rate:.1%})")
+    t.add_row("decisions (valid)", f"{m.decisions} ({m.valid_decisions})")
+    t.add_row("decision accuracy vs optimal", _pct(m.decision_accuracy))
+    if m.mean_regret.mean is not None:
+        t.add_row("mean regret per valid decision", _mean(m.mean_regret, ".4f"))
     console.print(t)
-    ref = m["reference"]
+    ref = m.reference
     console.print(
-        f"For reference, same rules: optimal play {ref['optimal']['value']:+.4f} (win {ref['optimal']['win']:.1%}), "
-        f"always stick {ref['always_stick']['value']:+.4f}, uniform random {ref['random']['value']:+.4f}."
+        f"For reference, same rules: optimal play {ref['optimal'].value:+.4f} (win {ref['optimal'].win:.1%}), "
+        f"always stick {ref['always_stick'].value:+.4f}, uniform random {ref['random'].value:+.4f}."
     )
-    if m["episodes_failed"]:
-        console.print(f"[red]{m['episodes_failed']} episodes failed (no answer from the model): "
-                      f"{m['failure_examples'][:1]}[/red]")
+    if m.episodes_failed:
+        console.print(f"[red]{m.episodes_failed} episodes failed (no answer from the model): "
+                      f"{m.failure_examples[:1]}[/red]")
 
 
 def print_comparison(runs: list[Any], comparisons: list[Any], console: Console) -> None:
@@ -120,8 +120,8 @@ def print_comparison(runs: list[Any], comparisons: list[Any], console: Console) 
         t.add_column(col, justify="left" if col in ("run", "decoding") else "right")
     for r in runs:
         m = r.metrics
-        t.add_row(r.name, short_mode(m.get("policy") or {}), str(m["episodes"]), _mean(m["mean_reward"]),
-                  _pct(m["win"]).split()[0], _pct(m["invalid"]).split()[0], _pct(m["decision_accuracy"]).split()[0])
+        t.add_row(r.name, short_mode(m.policy), str(m.episodes), _mean(m.mean_reward),
+                  _pct(m.win).split()[0], _pct(m.invalid).split()[0], _pct(m.decision_accuracy).split()[0])
     console.print(t)
     quantities = {q.key: q for q in QUANTITIES}
     for c in comparisons:

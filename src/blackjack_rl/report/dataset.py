@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..outputs import write_text
+from ..records import EpisodeRecord, ScoredDataGroup, SequenceRecord, StepRecord
 from ..tokens import MASKED
 from .html import environment, script_json
 
@@ -62,20 +63,26 @@ def trained_spans(masks: list[int]) -> list[list[int]]:
     return spans
 
 
-def group_summary(group: dict[str, Any]) -> list[Any]:
+def group_summary(group: ScoredDataGroup) -> list[Any]:
     """[seed, scores, invalid reasons ("|"-joined), sequences, longest sequence]: what filters need."""
-    episodes = group.get("episodes") or []
-    seed = episodes[0].get("seed") if episodes else None
-    reasons = sorted({str(ep.get("invalid_reason")) for ep in episodes if ep.get("invalid_reason")})
-    return [seed, [round(float(s), 4) for s in group.get("scores") or []], "|".join(reasons),
-            len(group.get("tokens") or []), max((len(t) for t in group.get("tokens") or []), default=0)]
+    episodes = group.episodes
+    seed = episodes[0].seed if episodes else None
+    reasons = sorted({str(ep.invalid_reason) for ep in episodes if ep.invalid_reason})
+    return [seed, [round(float(s), 4) for s in group.scores], "|".join(reasons),
+            len(group.tokens), max((len(t) for t in group.tokens), default=0)]
 
 
-def _episode_meta(ep: dict[str, Any]) -> dict[str, Any]:
-    keys = ("status", "outcome", "reward", "invalid_reason", "actions", "optimal_actions", "player_hand",
-            "dealer_hand", "regret",
-            "decision", "state", "action", "optimal")  # step groups: one decision per sequence
-    return {k: ep.get(k) for k in keys if ep.get(k) is not None}
+# What a sequence's card shows, by the kind of record (a step group's: its one decision).
+_SHOWN: dict[type, tuple[str, ...]] = {
+    EpisodeRecord: ("status", "outcome", "reward", "invalid_reason", "actions", "optimal_actions", "player_hand",
+                    "dealer_hand", "regret"),
+    StepRecord: ("invalid_reason", "decision", "state", "action", "optimal"),
+}
+
+
+def _episode_meta(record: SequenceRecord) -> dict[str, Any]:
+    data = record.to_json()
+    return {k: data[k] for k in _SHOWN[type(record)] if data[k] is not None}
 
 
 class _Chunk:
@@ -89,12 +96,12 @@ class _Chunk:
         self.groups: list[dict[str, Any]] = []
         self.index: list[list[Any]] = []
 
-    def add(self, position: int, group: dict[str, Any]) -> None:
-        tokens_all = group.get("tokens") or []
-        masks_all = group.get("masks") or []
-        logprobs_all = group.get("inference_logprobs") or [None] * len(tokens_all)
-        messages_all = group.get("messages") or [[] for _ in tokens_all]
-        episodes = group.get("episodes") or [{} for _ in tokens_all]
+    def add(self, position: int, group: ScoredDataGroup) -> None:
+        tokens_all = group.tokens
+        masks_all = group.masks
+        logprobs_all = group.inference_logprobs or [None] * len(tokens_all)
+        messages_all = group.messages or [[] for _ in tokens_all]
+        episodes = group.episodes
         seqs = []
         for j, tokens in enumerate(tokens_all):
             tokens = list(tokens)
@@ -118,12 +125,12 @@ class _Chunk:
                 else:
                     msgs.append([m.get("role", "?"), content])
             seqs.append({
-                "score": (group.get("scores") or [None] * len(tokens_all))[j],
+                "score": (group.scores or [None] * len(tokens_all))[j],
                 "n": len(tokens), "lcp": lcp, "rest": rest, "spans": spans, "lp": trained_lp, "msgs": msgs,
                 "ep": _episode_meta(episodes[j]) if j < len(episodes) else {},
             })
-        self.groups.append({"i": position, "seqs": seqs, "params": group.get("generation_params"),
-                            "overrides": group.get("group_overrides")})
+        self.groups.append({"i": position, "seqs": seqs, "params": group.generation_params,
+                            "overrides": group.group_overrides})
         self.index.append(group_summary(group))
 
 
@@ -165,14 +172,14 @@ class DatasetView:
 
     # -- feeding --------------------------------------------------------------------------
 
-    def add(self, group: dict[str, Any]) -> None:
+    def add(self, group: ScoredDataGroup) -> None:
         if self._closed:
             raise RuntimeError("the dataset view is closed; open a new DatasetView to write another run")
         if self._params is None:
-            self._params = group.get("generation_params") or {}
-        for ep in group.get("episodes") or []:
-            if ep.get("invalid_reason"):
-                self._reasons.add(str(ep["invalid_reason"]))
+            self._params = group.generation_params or {}
+        for ep in group.episodes:
+            if ep.invalid_reason:
+                self._reasons.add(str(ep.invalid_reason))
         self._chunk.add(self._groups, group)
         self._groups += 1
         if len(self._chunk.groups) >= self.chunk_groups:
@@ -246,6 +253,6 @@ def write_dataset_view(jsonl: Path, html: Path, tokenizer: Any | None = None, **
     with Path(jsonl).open(encoding="utf-8") as fh, DatasetView(html, tokenizer, source=Path(jsonl).name, **kwargs) as view:
         for line in fh:
             if line.strip():
-                view.add(json.loads(line))
+                view.add(ScoredDataGroup.from_json(json.loads(line)))
     return Path(html)
 

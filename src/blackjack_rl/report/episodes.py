@@ -9,18 +9,20 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-Row = dict[str, Any]
+from ..records import SCORED_AS_INVALID, SampleRow, Status
+
+Row = SampleRow
 
 
 def has_mistake(row: Row) -> bool:
-    return any(d.get("action") is not None and d["action"] != d["optimal"] for d in row.get("decisions") or [])
+    return any(d.action is not None and d.action != d.optimal for d in row.decisions)
 
 
 def category(row: Row) -> str:
-    if row.get("status") == "failed":
+    if row.status == Status.FAILED:
         return "failed"
-    if row.get("status") in ("invalid", "truncated"):
-        return f"invalid:{row.get('invalid_reason')}"
+    if row.status in SCORED_AS_INVALID:
+        return f"invalid:{row.invalid_reason}"
     return "mistake" if has_mistake(row) else "optimal"
 
 
@@ -40,14 +42,14 @@ def sample(rows: Iterable[Row], limit: int = 400) -> list[Row]:
         take = buckets[name][:share]
         chosen.extend(take)
         budget -= len(take)
-    return sorted(chosen, key=lambda r: r.get("seed", 0))
+    return sorted(chosen, key=lambda r: r.seed)
 
 
 def compact(row: Row, system_prompts: list[str]) -> dict[str, Any]:
     """What the episode browser shows. The system prompt is the same for (almost) every
     episode, so it is stored once per page and referenced by index."""
     messages = []
-    for m in row.get("messages") or []:
+    for m in row.messages:
         if m.get("role") == "system":
             content = m.get("content", "")
             if content not in system_prompts:
@@ -56,20 +58,19 @@ def compact(row: Row, system_prompts: list[str]) -> dict[str, Any]:
         else:
             messages.append([m.get("role", "?"), m.get("content", "")])
     return {
-        "seed": row.get("seed"),
-        "status": row.get("status"),
-        "outcome": row.get("outcome"),
-        "reward": row.get("reward"),
-        "score": row.get("score"),
-        "reason": row.get("invalid_reason"),
-        "error": row.get("error"),
-        "player": row.get("player_hand") or [],
-        "dealer": row.get("dealer_hand") or [],
+        "seed": row.seed,
+        "status": row.status,
+        "outcome": row.outcome,
+        "reward": row.reward,
+        "score": row.score,
+        "reason": row.invalid_reason,
+        "error": row.error,
+        "player": row.player_hand,
+        "dealer": row.dealer_hand,
         "category": category(row),
         "decisions": [
-            {"state": d["state"], "action": d.get("action"), "optimal": d["optimal"], "regret": d.get("regret"),
-             "error": d.get("parse_error")}
-            for d in row.get("decisions") or []
+            {"state": d.state, "action": d.action, "optimal": d.optimal, "regret": d.regret, "error": d.parse_error}
+            for d in row.decisions
         ],
         "messages": messages,
     }
@@ -79,13 +80,13 @@ def invalid_examples(rows: Iterable[Row], per_reason: int = 3) -> dict[str, list
     """Real answers behind each invalid reason: the text the parser refused and why."""
     out: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        reason = row.get("invalid_reason")
-        if row.get("status") not in ("invalid", "truncated") or not reason:
+        reason = row.invalid_reason
+        if row.status not in SCORED_AS_INVALID or not reason:
             continue
         examples = out.setdefault(reason, [])
         if len(examples) >= per_reason:
             continue
-        last = (row.get("decisions") or [{}])[-1]
-        examples.append({"seed": row.get("seed"), "text": last.get("text", ""), "error": last.get("parse_error"),
-                         "state": last.get("state")})
+        last = row.decisions[-1] if row.decisions else None
+        examples.append({"seed": row.seed, "text": last.text if last else "",
+                         "error": last.parse_error if last else None, "state": last.state if last else None})
     return out

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..outputs import write_text
+from ..records import Metrics, SampleRow
 from ..solver import Solution, solve
 from . import plots
 from .episodes import compact, invalid_examples, sample
@@ -23,54 +24,54 @@ from .strategy import chart, costliest, state_stats
 EPISODE_SAMPLE = 400
 
 
-def run_name(metrics: dict[str, Any]) -> str:
-    policy = metrics.get("policy") or {}
+def run_name(metrics: Metrics) -> str:
+    policy = metrics.policy
     return str(policy.get("model") or policy.get("policy") or "unknown policy")
 
 
-def reading(metrics: dict[str, Any]) -> str:
+def reading(metrics: Metrics) -> str:
     """Where the mean reward sits among the baselines, taking its interval into account."""
-    mr = metrics["mean_reward"]
-    if mr.get("mean") is None:
+    mr = metrics.mean_reward
+    if mr.mean is None:
         return "No episode finished, so there is no mean reward to compare."
-    low, high = mr["ci95_low"], mr["ci95_high"]
+    low, high = mr.ci95_low, mr.ci95_high
     if low is None:
-        return (f"Mean reward {mr['mean']:+.4f} over {metrics['episodes_played']} deals: too few deals for a 95% "
+        return (f"Mean reward {mr.mean:+.4f} over {metrics.episodes_played} deals: too few deals for a 95% "
                 "interval, so no comparison with the baselines; evaluate more episodes.")
-    ref = metrics["reference"]
+    ref = metrics.reference
     parts = []
     for name, label in (("optimal", "optimal play"), ("always_stick", "always sticking"), ("random", "uniform random play")):
-        v = ref[name]["value"]
+        v = ref[name].value
         if high < v:
             parts.append(f"below {label} ({v:+.4f})")
         elif low > v:
             parts.append(f"above {label} ({v:+.4f})")
         else:
             parts.append(f"not distinguishable from {label} ({v:+.4f})")
-    n = metrics["episodes_played"]
-    return (f"Mean reward {mr['mean']:+.4f} (95% CI {low:+.4f} to {high:+.4f}, {n} deals): "
+    n = metrics.episodes_played
+    return (f"Mean reward {mr.mean:+.4f} (95% CI {low:+.4f} to {high:+.4f}, {n} deals): "
             + "; ".join(parts) + ".")
 
 
-def report_context(metrics: dict[str, Any], rows: list[dict[str, Any]], solution: Solution) -> dict[str, Any]:
+def report_context(metrics: Metrics, rows: list[SampleRow], solution: Solution) -> dict[str, Any]:
     stats, episodes = state_stats(rows)
     hard = chart(stats, solution, episodes, soft=False)
     soft = chart(stats, solution, episodes, soft=True)
     cells = [c for grid in (hard, soft) for row in grid for c in row]
     worst = max((c.cost_per_hand for c in cells), default=0.0)
     max_decisions = max((c.decisions for c in cells), default=0) or 1
-    ref = metrics["reference"]
-    mr = metrics["mean_reward"]
+    ref = metrics.reference
+    mr = metrics.mean_reward
     name = run_name(metrics)
-    n = metrics["episodes_played"] or 1
-    invalid_share = metrics["invalid"]["rate"] or 0.0
-    outcome_rows = [(name, {"win": metrics["win"]["rate"] or 0.0, "draw": metrics["draw"]["rate"] or 0.0,
-                            "loss": metrics["loss"]["rate"] or 0.0, "invalid": invalid_share})]
+    n = metrics.episodes_played or 1
+    invalid_share = metrics.invalid.rate or 0.0
+    outcome_rows = [(name, {"win": metrics.win.rate or 0.0, "draw": metrics.draw.rate or 0.0,
+                            "loss": metrics.loss.rate or 0.0, "invalid": invalid_share})]
     for key, label in (("optimal", "optimal"), ("always_stick", "always stick"), ("random", "uniform random")):
-        outcome_rows.append((label, {"win": ref[key]["win"], "draw": ref[key]["draw"], "loss": ref[key]["loss"]}))
+        outcome_rows.append((label, {"win": ref[key].win, "draw": ref[key].draw, "loss": ref[key].loss}))
     system_prompts: list[str] = []
     browsable = [compact(r, system_prompts) for r in sample(rows, EPISODE_SAMPLE)]
-    params = metrics.get("policy") or {}
+    params = metrics.policy
     return {
         "title": f"How {name} plays Blackjack",
         "name": name,
@@ -81,9 +82,9 @@ def report_context(metrics: dict[str, Any], rows: list[dict[str, Any]], solution
         "generated": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "reading": reading(metrics),
         "reward_svg": plots.reward_vs_baselines(
-            mr.get("mean"), mr.get("ci95_low"), mr.get("ci95_high"),
-            {"optimal": ref["optimal"]["value"], "always_stick": ref["always_stick"]["value"],
-             "random": ref["random"]["value"]}, name),
+            mr.mean, mr.ci95_low, mr.ci95_high,
+            {"optimal": ref["optimal"].value, "always_stick": ref["always_stick"].value,
+             "random": ref["random"].value}, name),
         "outcome_svg": plots.outcome_bars(outcome_rows),
         "charts": [("Hard hands", "hard", hard), ("Soft hands (an ace counted as 11)", "soft", soft)],
         "hit_colour": hit_colour,
@@ -100,27 +101,25 @@ def report_context(metrics: dict[str, Any], rows: list[dict[str, Any]], solution
     }
 
 
-def _grid_context(metrics: dict[str, Any], solution: Solution) -> dict[str, Any]:
+def _grid_context(metrics: Metrics, solution: Solution) -> dict[str, Any]:
     """The exact chart, when `evaluate --grid` measured it."""
     from ..solver import DEALER_CARDS
     from .gridpage import grid_rows
 
-    g = metrics.get("grid")
+    g = metrics.grid
     if not g:
         return {"grid": None}
     return {"grid": g, "grid_rows": grid_rows(g, solution),
             "grid_dealers": ["A" if d == 1 else str(d) for d in DEALER_CARDS]}
 
 
-def render_report(metrics: dict[str, Any], rows: Iterable[dict[str, Any]], solution: Solution | None = None) -> str:
+def render_report(metrics: Metrics, rows: Iterable[SampleRow], solution: Solution | None = None) -> str:
     rows = list(rows)
     if solution is None:
-        from ..game import Rules
-
-        solution = solve(Rules(**metrics["rules"]))
+        solution = solve(metrics.rules)
     return environment().get_template("report.html.jinja").render(**report_context(metrics, rows, solution))
 
 
-def write_report(path: Path, metrics: dict[str, Any], rows: Iterable[dict[str, Any]],
+def write_report(path: Path, metrics: Metrics, rows: Iterable[SampleRow],
                  solution: Solution | None = None) -> Path:
     return write_text(path, render_report(metrics, rows, solution))

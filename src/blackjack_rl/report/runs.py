@@ -6,7 +6,10 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from pydantic import ValidationError
+
 from ..compare import Run
+from ..records import Metrics, SampleRow
 
 
 def load_run(folder: str | Path, name: str | None = None) -> Run:
@@ -19,21 +22,36 @@ def load_run(folder: str | Path, name: str | None = None) -> Run:
         raise FileNotFoundError(f"{folder} has no samples.jsonl: runs are compared episode by episode, "
                                 "so evaluate them without --no-samples")
     try:
-        metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
+        data = json.loads(metrics_path.read_text(encoding="utf-8"))
     except ValueError as exc:
         raise ValueError(f"{metrics_path} is not valid JSON ({exc}); evaluate the run again") from None
-    if not isinstance(metrics, dict):
-        raise ValueError(f"{metrics_path} does not hold an evaluation's metrics; evaluate the run again")
+    try:
+        metrics = Metrics.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"{metrics_path} does not hold an evaluation's metrics ({_first_error(exc)}); "
+                         "evaluate the run again") from None
     rows = []
     with samples_path.open(encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                data = json.loads(line)
             except ValueError as exc:
                 raise ValueError(f"{samples_path}:{number} is not valid JSON ({exc}); was the run interrupted?") from exc
+            try:
+                rows.append(SampleRow.model_validate(data))
+            except ValidationError as exc:
+                raise ValueError(f"{samples_path}:{number} is not an evaluated episode ({_first_error(exc)}); "
+                                 "evaluate the run again") from None
     return Run(name or folder.name, metrics, rows)
+
+
+def _first_error(exc: ValidationError) -> str:
+    """The first thing wrong, in one line: where and what."""
+    e = exc.errors()[0]
+    where = ".".join(str(p) for p in e["loc"]) or "the top level"
+    return f"{where}: {e['msg']}"
 
 
 def load_runs(folders: Sequence[str | Path]) -> list[Run]:

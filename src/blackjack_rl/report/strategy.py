@@ -9,8 +9,9 @@ exact solution; nothing here reads or writes files.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
+from ..records import SampleRow, Status
 from ..solver import DEALER_CARDS, HARD_SUMS, HIT, SOFT_SUMS, Solution
 
 StateKey = tuple[int, int, bool]  # (player_sum, dealer_card, soft)
@@ -44,26 +45,26 @@ class StateStats:
         return self.regret / self.valid if self.valid else None
 
 
-def state_stats(rows: Iterable[dict[str, Any]]) -> tuple[dict[StateKey, StateStats], int]:
+def state_stats(rows: Iterable[SampleRow]) -> tuple[dict[StateKey, StateStats], int]:
     """Per-state counts from samples rows, and the number of played (not failed) episodes."""
     stats: dict[StateKey, StateStats] = {}
     episodes = 0
     for row in rows:
-        if row.get("status") == "failed":
+        if row.status == Status.FAILED:
             continue
         episodes += 1
-        for d in row.get("decisions") or []:
-            s, dealer, ace = d["state"]
+        for d in row.decisions:
+            s, dealer, ace = d.state
             st = stats.setdefault((int(s), int(dealer), bool(ace)), StateStats())
             st.decisions += 1
-            action = d.get("action")
+            action = d.action
             if action is None:
                 st.invalid += 1
             else:
                 st.hits += action == "hit"
                 st.sticks += action == "stick"
-                st.regret += float(d.get("regret") or 0.0)
-            st.correct += action == d["optimal"]
+                st.regret += float(d.regret or 0.0)
+            st.correct += action == d.optimal
     return stats, episodes
 
 

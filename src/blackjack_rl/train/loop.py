@@ -158,10 +158,11 @@ def evaluate_policy(player: Player, settings: Settings, step: int, out: Path) ->
         run_evaluation(player, settings.train.eval_episodes, settings.evaluate.concurrency)
     )
     metrics = compute_metrics(episodes, player)
-    metrics["seconds"] = time.perf_counter() - t0
+    metrics.seconds = time.perf_counter() - t0
     (out / "eval").mkdir(parents=True, exist_ok=True)
-    (out / "eval" / f"step_{step:04d}.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
-    return {"kind": "eval", "step": step, "summary": eval_summary(metrics), "seconds": metrics["seconds"]}
+    (out / "eval" / f"step_{step:04d}.json").write_text(json.dumps(metrics.to_json(), indent=2) + "\n",
+                                                          encoding="utf-8")
+    return {"kind": "eval", "step": step, "summary": eval_summary(metrics), "seconds": metrics.seconds}
 
 
 def checkpoint(model: Any, policy: TorchPolicy, path: Path, state: dict[str, Any] | None = None) -> None:

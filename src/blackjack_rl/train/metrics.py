@@ -10,40 +10,47 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from pydantic import ValidationError
+
 from ..evaluate import rate_ci
+from ..records import EpisodeRecord, Metrics, Outcome, SequenceRecord, Status, StepRecord, sequence_records
 
 
-def _decisions(record: Mapping[str, Any]) -> list[tuple[str | None, str | None]]:
-    if "actions" in record:  # a whole episode
-        return list(zip(record.get("actions") or [], record.get("optimal_actions") or []))
-    if "optimal" in record:  # one decision of a step group
-        return [(record.get("action"), record.get("optimal"))]
-    return []
+def _records(group: Mapping[str, Any]) -> list[SequenceRecord | None]:
+    """One record per sequence; None for each sequence of a group that carries none of ours
+    (another environment posted it, with no `episodes` or with its own kind)."""
+    try:
+        return sequence_records(group) or [None for _ in group["scores"]]
+    except ValidationError:
+        return [None for _ in group["scores"]]
 
 
-def _records(group: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    return list(group.get("episodes") or [{} for _ in group["scores"]])
+def _sampled(record: SequenceRecord | None) -> bool:
+    # forced (counterfactual) answers were not sampled: they say nothing about the policy
+    return not (isinstance(record, StepRecord) and record.forced)
 
 
 def batch_metrics(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    # forced (counterfactual) answers were not sampled: they say nothing about the policy
-    scores = [float(s) for g in groups for s, r in zip(g["scores"], _records(g)) if not r.get("forced")]
-    records = [r for g in groups for r in _records(g) if not r.get("forced")]
-    decisions = [d for r in records for d in _decisions(r)]
+    pairs = [(float(s), r) for g in groups for s, r in zip(g["scores"], _records(g)) if _sampled(r)]
+    scores = [s for s, _ in pairs]
+    records = [r for _, r in pairs if r is not None]
+    decisions = [d for r in records for d in r.choices]
     valid = sum(a is not None for a, _ in decisions)
     correct = sum(a is not None and a == o for a, o in decisions)
-    finished = [r for r in records if "outcome" in r and r.get("status") != "failed"]
+    finished = [r for r in records if isinstance(r, EpisodeRecord) and r.status != Status.FAILED]
+    wins = sum(r.outcome == Outcome.WIN for r in finished)
     # counterfactual groups carry the policy's P(hit) among the two calls at their decision:
     # on the states the policy visits, an exact reading of its strategy with no extra cost
     p_hit: dict[str, list[float]] = {"hit": [], "stick": []}
     p_valid = []
     for g in groups:
         first = _records(g)[0]
-        if first.get("p_call") and first.get("optimal") in p_hit:
-            p_hit[first["optimal"]].append(float(first["p_call"]["hit"]))
-        if first.get("p_valid") is not None:
-            p_valid.append(float(first["p_valid"]))
-    wins = sum(r.get("outcome") == "win" for r in finished)
+        if not isinstance(first, StepRecord):
+            continue
+        if first.p_call and first.optimal in p_hit:
+            p_hit[first.optimal].append(float(first.p_call["hit"]))
+        if first.p_valid is not None:
+            p_valid.append(float(first.p_valid))
     return {
         "groups": len(groups),
         "sequences": len(scores),
@@ -59,19 +66,20 @@ def batch_metrics(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def eval_summary(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """The headline numbers of an `evaluate` metrics dict, with their 95% intervals."""
-    n = metrics["episodes_played"]
-    invalid_k = sum(v["count"] for v in metrics["invalid_by_reason"].values())
+def eval_summary(metrics: Metrics) -> dict[str, Any]:
+    """The headline numbers of an `evaluate` run, with their 95% intervals (JSON-ready)."""
+    n = metrics.episodes_played
+    invalid_k = sum(v.count for v in metrics.invalid_by_reason.values())
     return {
         "episodes": n,
-        "valid_episodes": rate_ci(n - invalid_k, n),  # every answer a valid call, the game played out
-        "valid_decisions": rate_ci(metrics["valid_decisions"], metrics["decisions"]),
-        "win": metrics["win"],
-        "draw": metrics["draw"],
-        "loss": metrics["loss"],
-        "decision_accuracy": metrics["decision_accuracy"],
-        "mean_reward": metrics["mean_reward"],
-        "mean_regret": metrics["mean_regret"],
-        "reference": metrics.get("reference"),  # optimal, always stick, random: exact values and win rates
+        "valid_episodes": rate_ci(n - invalid_k, n).to_json(),  # every answer a valid call, the game played out
+        "valid_decisions": rate_ci(metrics.valid_decisions, metrics.decisions).to_json(),
+        "win": metrics.win.to_json(),
+        "draw": metrics.draw.to_json(),
+        "loss": metrics.loss.to_json(),
+        "decision_accuracy": metrics.decision_accuracy.to_json(),
+        "mean_reward": metrics.mean_reward.to_json(),
+        "mean_regret": metrics.mean_regret.to_json(),
+        # optimal, always stick, random: exact values and win rates
+        "reference": {k: v.to_json() for k, v in metrics.reference.items()},
     }

@@ -47,7 +47,7 @@ class LocalSource:
         results = [r for deal in asyncio.run(play()) for r in deal]
         dropped = Counter(r.dropped for r in results if r.group is None)
         failed = sum(ep.failed for r in results for ep in r.episodes)
-        return [dict(r.group) for r in results if r.group is not None], {
+        return [r.group.to_json() for r in results if r.group is not None], {
             "deals": len(seeds),
             "dropped": dict(dropped),
             "episodes_failed": failed,
