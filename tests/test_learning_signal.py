@@ -134,14 +134,14 @@ def test_scaled_decisions_weigh_every_state_the_same_and_the_format_has_its_own_
     deal = run(play_step_groups(player, 3, 2, token_advantages=True, scale_decisions=True, format_weight=0.0))
     for result in deal.groups:
         g = result.group
-        q = g["episodes"][0]["q"]
-        for adv, meta in zip(g["advantages"], g["episodes"]):
+        q = g.episodes[0].q
+        for adv, meta in zip(g.advantages, g.episodes):
             nonzero = {x for x in adv if x != 0.0}
-            if meta["action"] is None:
+            if meta.action is None:
                 assert not nonzero
             else:
                 gap = max(abs(q["hit"] - q["stick"]), DECISION_SCALE_FLOOR)
-                want = (q[meta["action"]] - (q["hit"] + q["stick"]) / 2) / gap
+                want = (q[meta.action] - (q["hit"] + q["stick"]) / 2) / gap
                 assert all(x == pytest.approx(want) for x in nonzero)
 
 
@@ -194,21 +194,21 @@ def test_groups_of_the_two_calls_alone_follow_the_policys_own_choice(embedded, s
     for seed in range(6):
         deal = run(play_step_groups(player, seed, 0, counterfactual=True))
         again = run(play_step_groups(player, seed, 0, counterfactual=True))
-        assert [r.group["episodes"][0]["state"] for r in again.groups] == \
-            [r.group["episodes"][0]["state"] for r in deal.groups]
+        assert [r.group.episodes[0].state for r in again.groups] == \
+            [r.group.episodes[0].state for r in deal.groups]
         assert deal.status == "finished" and deal.groups
         for result in deal.groups:
             g = result.group
-            meta = g["episodes"]
-            assert [m["forced"] for m in meta] == [True, True] and [m["action"] for m in meta] == ["hit", "stick"]
-            p_valid = meta[0]["p_valid"]
-            prompt_len = trained_spans(g["masks"][0])[0][0]
-            logprob_calls = [sum(g["inference_logprobs"][r][prompt_len:]) for r in (0, 1)]
+            meta = g.episodes
+            assert [m.forced for m in meta] == [True, True] and [m.action for m in meta] == ["hit", "stick"]
+            p_valid = meta[0].p_valid
+            prompt_len = trained_spans(g.masks[0])[0][0]
+            logprob_calls = [sum(g.inference_logprobs[r][prompt_len:]) for r in (0, 1)]
             assert p_valid == pytest.approx(sum(math.exp(x) for x in logprob_calls), rel=1e-6)
             fmt = 0.0 - (p_valid * 0.0 + (1 - p_valid) * -1.0)
-            assert g["advantages"][0][prompt_len] == pytest.approx(fmt)  # the first token is format
+            assert g.advantages[0][prompt_len] == pytest.approx(fmt)  # the first token is format
         # every group but the last was followed by a hit (a stick or a bust ends the deal)
-        states = [r.group["episodes"][0]["state"] for r in deal.groups]
+        states = [r.group.episodes[0].state for r in deal.groups]
         counts["hit"] += len(states) - 1
         counts["stick"] += 1
     assert counts["hit"] > 0
