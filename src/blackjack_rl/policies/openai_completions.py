@@ -54,7 +54,7 @@ class MalformedAnswer(ValueError):
 
 
 @dataclass(slots=True)
-class Sample:
+class ServerCompletion:
     """One sampled completion as the server reported it."""
 
     ids: list[int]
@@ -72,7 +72,7 @@ class TokenApi(Protocol):
 
     def body(self, model: str, prompt_ids: Sequence[int], n: int, seed: int, s: Sampling) -> dict[str, Any]: ...
 
-    def samples(self, data: Any) -> list[Sample]: ...
+    def samples(self, data: Any) -> list[ServerCompletion]: ...
 
     def constraint(self, mode: str) -> dict[str, Any]:
         """Request fields that let the model write only a valid call (`--constrained`)."""
@@ -107,7 +107,7 @@ class VLLMApi:
             raise ValueError("tool_choice forces a chat tool call: vLLM's /v1/completions has no tools")
         return structured_output_fields(mode)
 
-    def samples(self, data: Any) -> list[Sample]:
+    def samples(self, data: Any) -> list[ServerCompletion]:
         out = []
         for choice in sorted(_list(data, "choices"), key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0):
             if not isinstance(choice, dict):
@@ -130,7 +130,7 @@ class VLLMApi:
                 stopped = "eos" if reason is None else reason if isinstance(reason, int) else "other"
             else:
                 raise MalformedAnswer(f"unexpected finish_reason {finish!r}")
-            out.append(Sample(ids, _floats(logprobs), finish == "length", stopped))
+            out.append(ServerCompletion(ids, _floats(logprobs), finish == "length", stopped))
         return out
 
 
@@ -155,7 +155,7 @@ class SGLangApi:
         # SGLang's native API has one way: a JSON schema, as a string, among the sampling parameters.
         return {"sampling_params": {"json_schema": json.dumps(CALL_SCHEMA)}}
 
-    def samples(self, data: Any) -> list[Sample]:
+    def samples(self, data: Any) -> list[ServerCompletion]:
         items = data if isinstance(data, list) else [data]
         out = []
         for item in items:
@@ -179,7 +179,7 @@ class SGLangApi:
                 raise MalformedAnswer(f"unexpected finish_reason {reason!r}")
             matched = reason.get("matched") if isinstance(reason, dict) else None
             stopped: Any = None if kind == "length" else matched if isinstance(matched, int) else "other" if matched else "eos"
-            out.append(Sample(ids, logprobs, kind == "length", stopped))
+            out.append(ServerCompletion(ids, logprobs, kind == "length", stopped))
         return out
 
 
@@ -210,7 +210,7 @@ class LlamaCppApi:
         # llama-server turns `json_schema` into a grammar.
         return {"json_schema": CALL_SCHEMA}
 
-    def samples(self, data: Any) -> list[Sample]:
+    def samples(self, data: Any) -> list[ServerCompletion]:
         if not isinstance(data, dict):
             raise MalformedAnswer("the answer is not an object")
         probs = data.get("completion_probabilities", data.get("probs"))
@@ -228,7 +228,7 @@ class LlamaCppApi:
         stop = data.get("stop_type")
         if stop not in ("eos", "limit", "word"):
             raise MalformedAnswer(f"unexpected stop_type {stop!r}")
-        sample = Sample(ids, logprobs[: len(ids)], stop == "limit", "eos" if stop == "eos" else None if stop == "limit" else "other")
+        sample = ServerCompletion(ids, logprobs[: len(ids)], stop == "limit", "eos" if stop == "eos" else None if stop == "limit" else "other")
         if len(prob_ids) == len(ids) + 1 and stop == "eos":  # the EOS was scored but left out of `tokens`
             sample.ids, sample.logprobs = prob_ids, logprobs
         return [sample]
@@ -358,7 +358,7 @@ class OpenAICompletionsPolicy:
                     f"{self._vocab} ids: does --tokenizer match the served model?")
         return [self._reply(s) for s in samples]
 
-    def _reply(self, s: Sample) -> Reply:
+    def _reply(self, s: ServerCompletion) -> Reply:
         """The reply is exactly the server's ids and logprobs; the end-of-turn id is appended
         only when the server says it stopped on that token but left it out."""
         ids, logprobs, eot = s.ids, s.logprobs, self._eot

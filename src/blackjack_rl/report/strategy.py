@@ -14,7 +14,7 @@ from typing import Iterable
 from ..records import SampleRow, Status
 from ..solver import DEALER_CARDS, HARD_SUMS, HIT, SOFT_SUMS, Solution
 
-StateKey = tuple[int, int, bool]  # (player_sum, dealer_card, soft)
+CellKey = tuple[int, int, bool]  # (player_sum, dealer_card, soft)
 
 
 @dataclass
@@ -45,9 +45,9 @@ class StateStats:
         return self.regret / self.valid if self.valid else None
 
 
-def state_stats(rows: Iterable[SampleRow]) -> tuple[dict[StateKey, StateStats], int]:
+def state_stats(rows: Iterable[SampleRow]) -> tuple[dict[CellKey, StateStats], int]:
     """Per-state counts from samples rows, and the number of played (not failed) episodes."""
-    stats: dict[StateKey, StateStats] = {}
+    stats: dict[CellKey, StateStats] = {}
     episodes = 0
     for row in rows:
         if row.status == Status.FAILED:
@@ -101,7 +101,7 @@ class Cell:
         return f"{'soft' if self.soft else 'hard'}-{self.player_sum}-{self.dealer_label}"
 
 
-def chart(stats: dict[StateKey, StateStats], solution: Solution, episodes: int, soft: bool) -> list[list[Cell]]:
+def chart(stats: dict[CellKey, StateStats], solution: Solution, episodes: int, soft: bool) -> list[list[Cell]]:
     """Rows of cells, highest total first (as printed strategy cards are read)."""
     total = sum(st.decisions for st in stats.values()) or 1
     sums = SOFT_SUMS if soft else HARD_SUMS
