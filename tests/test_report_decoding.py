@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -20,8 +19,7 @@ from blackjack_rl.policies.openai_chat import (
 from blackjack_rl.protocol import parse_action
 from blackjack_rl.report.modes import decoding_mode
 from canned_server import CannedServer, chat_answer
-
-CLI = [sys.executable, "-m", "blackjack_rl.cli"]
+from helpers import CLI
 
 
 def test_each_server_kind_gets_its_documented_request_fields():
