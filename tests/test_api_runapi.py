@@ -60,6 +60,7 @@ def _pull(trainer: TrainerClient, want_groups: int, attempts: int) -> list[dict[
     return got
 
 
+@pytest.mark.slow  # Atropos' server end to end, with our worker and trainer
 def test_serve_feeds_atropos_run_api(run_api: ServerProcess, tmp_path: Path) -> None:
     """Our worker and our trainer client, with Atropos' server between them."""
     trainer = TrainerClient(run_api.url)

@@ -24,6 +24,9 @@ from blackjack_rl.report.chromium import browser_context
 from blackjack_rl.report.dataset import DatasetView
 from helpers import CLI, run_cli
 
+pytestmark = pytest.mark.slow  # Chromium, and a 10,000-group dataset
+
+
 def cli(*args):
     return run_cli(*args, "--quiet", check=True)
 

@@ -127,6 +127,7 @@ def _answer_logprob(model, group, row: int) -> float:
     return float(lp[targets.rows == row].sum())
 
 
+@pytest.mark.slow  # torch training
 @pytest.mark.parametrize("variant", [{}, {"lora": True, "lr": 1e-2}, {"train_layers": 1}])
 def test_one_step_moves_probability_to_the_higher_scored_answer(tiny_model_dir, variant):
     torch.manual_seed(0)
@@ -150,6 +151,7 @@ def test_one_step_moves_probability_to_the_higher_scored_answer(tiny_model_dir, 
     assert _answer_logprob(model, group, 1) < bad_before - 0.05
 
 
+@pytest.mark.slow  # torch training
 def test_groups_without_signal_are_not_trained(tiny_model_dir):
     model, tokenizer = load_model(tiny_model_dir)
     chat = ChatFormat.learn(tokenizer)
@@ -168,6 +170,7 @@ def test_group_advantages():
     assert group_advantages([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.slow  # torch training
 def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     run = run_cli("train", "--model-path", str(tiny_model_dir), "--steps", "2", "--deals-per-step", "2",
@@ -201,6 +204,7 @@ def test_train_rejects_other_policies(tmp_path):
     assert run.returncode == 2 and "drop --policy" in run.stderr
 
 
+@pytest.mark.slow  # torch training
 def test_trains_on_batches_pulled_from_the_trajectory_api(tiny_policy, solution, tmp_path):
     import httpx
 
@@ -227,6 +231,7 @@ def test_trains_on_batches_pulled_from_the_trajectory_api(tiny_policy, solution,
     assert stats["trained_groups"] >= 1 and stats["logprob_gap"] < 1e-3  # same weights sampled them
 
 
+@pytest.mark.slow  # torch training
 def test_per_token_credit_moves_the_decision_and_not_the_format(tiny_model_dir):
     """A group of a hit and a stick call whose only credit is on the action token: one step
     raises the better action's probability, and the format tokens barely move."""
@@ -270,6 +275,7 @@ def test_per_token_credit_moves_the_decision_and_not_the_format(tiny_model_dir):
     assert sum(format_moves) / len(format_moves) < 0.2 * (hit_gain - stick_gain)
 
 
+@pytest.mark.slow  # torch training
 def test_a_resumed_run_takes_the_same_next_step(tiny_model_dir, tmp_path):
     common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "3", "--group-by",
               "step", "--counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "0",
