@@ -71,7 +71,7 @@ def poll_until(condition: Callable[[], T], *, attempts: int, interval_s: float =
 
 
 def wait_until_up(url: str, proc: subprocess.Popen, what: str, *, headers: dict[str, str] | None = None,
-                  attempts: int = 600, interval_s: float = 0.1) -> None:
+                  attempts: int = 1200, interval_s: float = 0.1) -> None:
     """Poll `url` until it answers 200; fail at once, with its exit code, if `proc` ends first."""
 
     def answered() -> bool:
