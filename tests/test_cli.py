@@ -101,6 +101,7 @@ def test_bad_settings_give_a_clear_error():
 
 
 @pytest.mark.embedded
+@pytest.mark.slow  # whole commands on the embedded model
 def test_process_and_evaluate_on_the_embedded_model(tmp_path):
     run("process", "--groups", "1", "--group-size", "2", "--max-tokens", "24", "--out", str(tmp_path / "p"), "--quiet")
     group = json.loads((tmp_path / "p" / "groups.jsonl").read_text())

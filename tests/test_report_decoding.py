@@ -93,6 +93,7 @@ def test_a_real_server_constrained_by_schema_only_answers_valid_calls(llama_serv
 
 
 @pytest.mark.embedded
+@pytest.mark.slow  # whole commands on the embedded model
 def test_the_report_of_the_embedded_model_says_it_was_constrained(tmp_path):
     """Two real episodes through `evaluate --constrained`, the report opened in Chromium."""
     from blackjack_rl.report.chromium import browser_context
