@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import subprocess
-import sys
-import time
-
-import httpx
 import pytest
+from helpers import build_hf_tokenizer, free_port, running_server
 
 from blackjack_rl.game import Rules
 from blackjack_rl.solver import solve
@@ -54,42 +48,7 @@ def embedded_constrained():
 
 @pytest.fixture(scope="session")
 def hf_tokenizer_dir(tmp_path_factory, gguf_path):
-    from gguf_tokenizer import build_hf_tokenizer
-
     return build_hf_tokenizer(gguf_path, tmp_path_factory.mktemp("smollm2-tokenizer"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until_up(url: str, proc: subprocess.Popen, what: str, seconds: float = 60) -> None:
-    """Poll `url` until it answers 200; fail early, with its exit code, if `proc` dies first."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode} before answering")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} did not come up in {seconds:.0f} s")
-
-
-@contextlib.contextmanager
-def running_server(args: list[str], health_url: str, what: str):
-    """Run `python ARGS` until the block ends; it is up once `health_url` answers 200. Killed (by its own pid) after."""
-    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_until_up(health_url, proc, what)
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")

@@ -26,10 +26,8 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from helpers import free_port, kill_process, wait_until_up
 
 
 @dataclass
@@ -258,16 +257,10 @@ async def serve_raw(state: State, port: int) -> None:
         await server.serve_forever()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MockServer:
     """One mock server in its own process (so it can hang, or be killed by PID, for real)."""
 
-    def __init__(self, config_path: str | Path, startup_s: float = 30.0, raw: bool = False) -> None:
+    def __init__(self, config_path: str | Path, raw: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.root = f"http://127.0.0.1:{self.port}"
@@ -275,17 +268,11 @@ class MockServer:
             [sys.executable, __file__, "--port", str(self.port), "--config", str(config_path)] + (["--raw"] if raw else []),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + startup_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mock server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.root}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"mock server did not come up in {startup_s}s")
+        try:
+            wait_until_up(f"{self.root}/health", self.proc, "the mock server")
+        except (RuntimeError, AssertionError):
+            self.kill()
+            raise
 
     def control(self, **settings: Any) -> dict[str, Any]:
         return httpx.post(f"{self.root}/_control", json=settings, timeout=5).json()
@@ -294,9 +281,7 @@ class MockServer:
         return httpx.get(f"{self.root}/_stats", timeout=10).json()
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
+        kill_process(self.proc)
 
 
 def write_config(path: str | Path, answers: list[dict[str, Any]], eos: int, model: str = "mock") -> Path:

@@ -12,10 +12,6 @@ other when forced onto loopback.) Health checks are fast, so a removed node is n
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -26,7 +22,6 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from blackjack_rl.cluster import NAMESPACE  # noqa: E402
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 1024**2}
 FAST_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 4}
 
@@ -44,18 +39,3 @@ def running_cluster() -> Iterator[Cluster]:
     finally:
         ray.shutdown()
         cluster.shutdown()
-
-
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`blackjack-rl ARGS` in a subprocess (a driver of its own), output captured."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "blackjack_rl.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def popen_cli(*args: str) -> subprocess.Popen:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, "-m", "blackjack_rl.cli", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)

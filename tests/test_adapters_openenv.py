@@ -9,7 +9,7 @@ import yaml
 
 pytest.importorskip("openenv", reason="the openenv extra is not installed (pip install -e '.[openenv]')")
 
-from conftest import free_port, running_server  # noqa: E402
+from helpers import free_port, running_server  # noqa: E402
 
 from blackjack_rl.adapters.openenv import BlackjackAction, BlackjackOpenEnvClient  # noqa: E402
 from blackjack_rl.env import BlackjackEnv  # noqa: E402

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -15,7 +14,7 @@ import pytest
 vf = pytest.importorskip("verifiers", reason="the verifiers extra is not installed (pip install -e '.[verifiers]')")
 pytest.importorskip("blackjack_rl_env", reason="the environment package is not installed (pip install -e environments/blackjack_rl_env)")
 
-from conftest import free_port  # noqa: E402
+from helpers import free_port, poll_until  # noqa: E402
 
 from blackjack_rl.env import BlackjackEnv, EnvSettings  # noqa: E402
 from blackjack_rl.evaluate import eval_seeds  # noqa: E402
@@ -80,10 +79,7 @@ def chat_server(llama_server):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.05)
+    poll_until(lambda: server.started, attempts=600, interval_s=0.05, what="the proxy in front of llama_cpp.server")
     yield f"http://127.0.0.1:{port}/v1"
     server.should_exit = True
     thread.join(timeout=10)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest_api import SRC
+from helpers import cli_env
 
 from blackjack_rl.api.cli import build_parser, config_from_args, main
 
@@ -43,8 +43,7 @@ def run_api_cli(db: Path) -> subprocess.CompletedProcess[str]:
     """`python -m blackjack_rl.api --db DB` on a free port; it is expected to refuse and exit."""
     return subprocess.run([sys.executable, "-m", "blackjack_rl.api", "--db", str(db), "--port", "0"],
                           capture_output=True, text=True, timeout=60,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("BLACKJACK_RL_API_")}
-                          | {"PYTHONPATH": str(SRC)})
+                          env=cli_env({k: v for k, v in os.environ.items() if not k.startswith("BLACKJACK_RL_API_")}))
 
 
 @pytest.mark.parametrize("name", ["same path", "hard link", "symlink"])

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest_api import ATROPOS_REGISTRATION, atropos_register_env, make_group, uids
+from api_payloads import ATROPOS_REGISTRATION, atropos_register_env, make_group, uids
 from fastapi.testclient import TestClient
 
 from blackjack_rl.api import ApiConfig, ApiRejected, EnvClient, create_app

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest_api import ATROPOS_REGISTRATION, atropos_register_env, make_group, uids
+from api_payloads import ATROPOS_REGISTRATION, atropos_register_env, make_group, uids
 from fastapi.testclient import TestClient
 
 from blackjack_rl.api import ApiConfig, create_app

@@ -3,18 +3,12 @@
 import json
 import os
 import subprocess
-import sys
+from functools import partial
 
 import pytest
+from helpers import CLI, poll_until, run_cli
 
-CLI = [sys.executable, "-m", "blackjack_rl.cli"]
-
-
-def run(*args, check=True, timeout=300):
-    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-    return proc
+run = partial(run_cli, check=True)
 
 
 def _commands():
@@ -138,6 +132,7 @@ def test_bad_settings_give_a_clear_error():
 
 
 @pytest.mark.embedded
+@pytest.mark.slow  # whole commands on the embedded model
 def test_process_and_evaluate_on_the_embedded_model(tmp_path):
     run("process", "--groups", "1", "--group-size", "2", "--max-tokens", "24", "--out", str(tmp_path / "p"), "--quiet")
     group = json.loads((tmp_path / "p" / "groups.jsonl").read_text())
@@ -212,11 +207,9 @@ def test_api_settings_from_the_environment_that_are_not_json_are_one_line():
 def _stop_when(server, proc, posts):
     """SIGINT once the server has answered `posts` requests (counted, so the run is surely under way)."""
     import signal
-    import time
 
-    deadline = time.monotonic() + 120
-    while server.posts < posts and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    poll_until(lambda: server.posts >= posts or proc.poll() is not None, attempts=2400, interval_s=0.05,
+               what=f"{posts} requests to the server")
     assert proc.poll() is None, proc.communicate()[1]
     proc.send_signal(signal.SIGINT)
     return proc.communicate(timeout=60)

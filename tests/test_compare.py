@@ -1,10 +1,10 @@
 """Runs compared deal by deal: the pairing logic, and the real command on two bots with a known gap."""
 
 import json
-import subprocess
-import sys
+from functools import partial
 
 import pytest
+from helpers import run_cli
 
 from blackjack_rl.compare import Run, check_comparable, compare_pair, pair_by_seed, paired_difference
 from blackjack_rl.game import Rules
@@ -12,14 +12,7 @@ from blackjack_rl.solver import policy_outcome, solve
 from records_factory import metrics as _metrics
 from records_factory import sample_row
 
-CLI = [sys.executable, "-m", "blackjack_rl.cli"]
-
-
-def run(*args, check=True):
-    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-    return proc
+run = partial(run_cli, check=True)
 
 
 def test_paired_difference_is_the_mean_of_per_pair_differences():

@@ -388,13 +388,13 @@ def test_an_id_outside_the_vocabulary_fails_the_episode_instead_of_aborting_the_
     command runs as a subprocess: it must end normally with the episodes reported failed."""
     import json
     import subprocess
-    import sys
 
     from canned_server import CannedServer
+    from helpers import CLI
 
     with CannedServer(answer) as server:
         proc = subprocess.run(
-            [sys.executable, "-m", "blackjack_rl.cli", "evaluate", "--policy", "openai", "--server", server.url,
+            [*CLI, "evaluate", "--policy", "openai", "--server", server.url,
              "--server-api", api, "--token-path", "completions", "--model", "m", "--tokenizer", str(gguf_path),
              "--retries", "0", "--episodes", "2", "--out", str(tmp_path / "run"), "--quiet"],
             capture_output=True, text=True, timeout=120,

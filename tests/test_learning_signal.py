@@ -21,6 +21,7 @@ from blackjack_rl.protocol import HIT, STICK, tool_call_text
 from blackjack_rl.solver import baselines, policy_outcome
 from blackjack_rl.stepgroups import play_step_groups
 from blackjack_rl.tokens import MASKED, trained_spans
+from helpers import run_cli
 from scripted import Scripted
 
 
@@ -378,22 +379,10 @@ def test_a_peft_adapter_plays_the_same_in_llama_cpp(tmp_path, gguf_path):
     run(adapted.aclose())
 
 
-def _cli(*args, cwd):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "blackjack_rl.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
 def test_grid_command_writes_the_exact_numbers_and_a_chart(tmp_path):
     import json
 
-    run_ = _cli("grid", "--policy", "threshold", "--threshold", "17", "--out", str(tmp_path / "g"), cwd=tmp_path)
+    run_ = run_cli("grid", "--policy", "threshold", "--threshold", "17", "--out", str(tmp_path / "g"), cwd=tmp_path)
     assert run_.returncode == 0, run_.stdout + run_.stderr
     g = json.loads((tmp_path / "g" / "grid.json").read_text())
     exact = policy_outcome(Rules(), lambda s, d, u, n: float(s < 17)).value
@@ -401,7 +390,7 @@ def test_grid_command_writes_the_exact_numbers_and_a_chart(tmp_path):
     assert len(g["p_hit"]) == 28 and all(len(r) == 10 for r in g["p_hit"])
     page = (tmp_path / "g" / "grid.html").read_text()
     assert "hard 16" in page and "soft 18" in page
-    bad = _cli("grid", "--policy", "openai", "--model", "m", "--base-url", "http://127.0.0.1:9/v1",
+    bad = run_cli("grid", "--policy", "openai", "--model", "m", "--base-url", "http://127.0.0.1:9/v1",
                "--tokenizer", "nonexistent-dir", "--out", str(tmp_path / "x"), cwd=tmp_path)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
 
@@ -409,7 +398,7 @@ def test_grid_command_writes_the_exact_numbers_and_a_chart(tmp_path):
 def test_evaluate_grid_puts_the_chart_in_metrics_and_report(tmp_path):
     import json
 
-    run_ = _cli("evaluate", "--policy", "optimal", "--episodes", "50", "--grid", "--quiet",
+    run_ = run_cli("evaluate", "--policy", "optimal", "--episodes", "50", "--grid", "--quiet",
                 "--out", str(tmp_path / "e"), cwd=tmp_path)
     assert run_.returncode == 0, run_.stdout + run_.stderr
     metrics = json.loads((tmp_path / "e" / "metrics.json").read_text())
@@ -430,12 +419,12 @@ def test_the_committed_adapter_plays_better_than_the_untrained_model(tmp_path):
     results = {}
     for name, extra in (("base", []), ("trained", ["--lora", str(adapter)])):
         out = tmp_path / name
-        run_ = _cli("evaluate", "--episodes", "40", "--max-tokens", "40", "--threads", "1", "--quiet", *extra,
+        run_ = run_cli("evaluate", "--episodes", "40", "--max-tokens", "40", "--threads", "1", "--quiet", *extra,
                     "--out", str(out), cwd=tmp_path)
         assert run_.returncode == 0, run_.stdout + run_.stderr
         results[name] = json.loads((out / "metrics.json").read_text())
     assert results["trained"]["policy"]["lora"] == str(adapter)
     assert results["trained"]["valid_decisions"] > results["base"]["valid_decisions"] + 5
-    cmp = _cli("compare", str(tmp_path / "base"), str(tmp_path / "trained"), "--out", str(tmp_path / "cmp"), cwd=tmp_path)
+    cmp = run_cli("compare", str(tmp_path / "base"), str(tmp_path / "trained"), "--out", str(tmp_path / "cmp"), cwd=tmp_path)
     assert cmp.returncode == 0, cmp.stdout + cmp.stderr
     assert (tmp_path / "cmp" / "compare.html").is_file()

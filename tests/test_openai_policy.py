@@ -4,7 +4,6 @@ against a real HTTP server that gives answers of odd shapes (directly and throug
 import asyncio
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -19,7 +18,7 @@ from blackjack_rl.policies.sampling import Sampling
 from blackjack_rl.protocol import HIT, tool_call_text
 from blackjack_rl.tokens import ChatFormat, HFTokenizer, trained_spans
 from canned_server import CannedServer, chat_answer
-from conftest import free_port
+from helpers import CLI, free_port
 
 @pytest.mark.embedded
 def test_episodes_through_a_real_chat_server(llama_server, hf_tokenizer_dir, solution):
@@ -200,7 +199,7 @@ def test_evaluate_reports_odd_answers_as_failures_without_a_traceback(tmp_path, 
     """The whole command: episodes fail with the reason, the run ends with exit 3, no traceback."""
     with CannedServer(chat_answer({"role": "assistant", "content": {"text": CALL}})) as server:
         proc = subprocess.run(
-            [sys.executable, "-m", "blackjack_rl.cli", "evaluate", "--policy", "openai", "--base-url", server.url,
+            [*CLI, "evaluate", "--policy", "openai", "--base-url", server.url,
              "--model", "m", "--tokenizer", str(gguf_path), "--retries", "0", "--episodes", "3",
              "--out", str(tmp_path / "run"), "--quiet"],
             capture_output=True, text=True, timeout=120,

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+from helpers import cli_env
 
 # Runs the CLI with `import ray` failing, as on an install without the extra.
 NO_RAY = """
@@ -19,9 +17,8 @@ sys.exit(main(sys.argv[1:]))
 
 
 def run_without_ray(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", NO_RAY, *args], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", NO_RAY, *args], env=cli_env(), capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_ray_flag_without_the_extra_is_one_line_telling_what_to_install(tmp_path):

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from ray_cluster import popen_cli, ray
+from ray_cluster import ray
 from blackjack_rl.api.client import TrainerClient
 from blackjack_rl.cluster.workers import actor_name
-from conftest_api import ATROPOS_REGISTRATION, ServerProcess
+from api_payloads import ATROPOS_REGISTRATION
+from helpers import CLI, ServerProcess, cli_env, free_port, popen_cli
 from test_serve import Pulled, group_key, pull
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]  # Ray clusters
 
 
 def rows(out: Path) -> list[dict]:
@@ -34,13 +34,13 @@ def logged_seeds(out: Path) -> list[int]:
     return [r["seed"] for r in rows(out) if r["kind"] == "group"]
 
 
-def keep_pulling_until(trainer: TrainerClient, seen: Pulled, condition, timeout_s: float) -> bool:
-    """Pull batches (so the workers have room to send) until `condition()` holds; bounded."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def keep_pulling_until(trainer: TrainerClient, seen: Pulled, condition, rounds: int) -> bool:
+    """Pull batches (so the workers have room to send) until `condition()` holds, asked once per
+    round of up to 20 pulls; bounded by the count of rounds."""
+    for _ in range(rounds):
         if condition():
             return True
-        pull(trainer, len(seen) + 1, 2.0, seen)
+        pull(trainer, len(seen) + 1, seen, attempts=20)
     return condition()
 
 
@@ -56,7 +56,7 @@ def test_serve_actors_survive_a_killed_actor_with_no_group_lost_or_duplicated(ra
                         "--out", str(out), "--max-batches-offpolicy", "2", "--steps-per-eval", "0", "--quiet")
         seen = Pulled()
         both_sent = keep_pulling_until(
-            trainer, seen, lambda: all(len(logged_seeds(out / w)) >= 2 for w in ("w-0", "w-1")), 180)
+            trainer, seen, lambda: all(len(logged_seeds(out / w)) >= 2 for w in ("w-0", "w-1")), rounds=90)
         assert both_sent, f"workers did not both send: {[rows(out / w)[-3:] for w in ('w-0', 'w-1')]}"
         assert run.poll() is None
 
@@ -65,7 +65,7 @@ def test_serve_actors_survive_a_killed_actor_with_no_group_lost_or_duplicated(ra
         restarted = keep_pulling_until(
             trainer, seen,
             lambda: sum(r["kind"] == "registered" for r in rows(out / "w-0")) >= 2
-            and len(logged_seeds(out / "w-0")) >= sent_before_kill + 2, 180)
+            and len(logged_seeds(out / "w-0")) >= sent_before_kill + 2, rounds=90)
         assert restarted, rows(out / "w-0")[-5:]
 
         run.send_signal(signal.SIGTERM)  # one signal drains every worker
@@ -81,7 +81,7 @@ def test_serve_actors_survive_a_killed_actor_with_no_group_lost_or_duplicated(ra
             assert rows(out / w)[-1]["parked"] == 0
 
         logged = logged_seeds(out / "w-0") + logged_seeds(out / "w-1")
-        pull(trainer, len(logged), 60, seen)
+        pull(trainer, len(logged), seen)
         assert trainer.get_batch() is None  # nothing else is queued
     finally:
         if run is not None and run.poll() is None:
@@ -99,8 +99,6 @@ def test_serve_actors_survive_a_killed_actor_with_no_group_lost_or_duplicated(ra
 
 def test_a_worker_that_fails_by_itself_is_one_line_and_not_restarted(ray_cluster, tmp_path):
     """A worker that raises (here: no API to register with) is a failure to report, not a death to retry."""
-    from conftest_api import free_port
-
     run = popen_cli("serve", "--ray", ray_cluster.address, "--workers", "1", "--worker-id", "lonely",
                     "--policy", "random", "--api-url", f"http://127.0.0.1:{free_port()}", "--register-timeout", "1",
                     "--out", str(tmp_path / "w"), "--quiet")
@@ -116,24 +114,20 @@ def test_ctrl_c_drains_every_worker_of_a_local_ray_instance(tmp_path):
     (the command, Ray's own processes, the workers) and every worker still drains."""
     import os
     import subprocess
-    import sys
-
-    from ray_cluster import SRC
 
     api = ServerProcess(tmp_path / "api.sqlite").start()
     out = tmp_path / "workers"
     try:
         trainer = TrainerClient(api.url)
         trainer.register({**ATROPOS_REGISTRATION, "batch_size": 4})
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-        run = subprocess.Popen([sys.executable, "-m", "blackjack_rl.cli", "serve", "--ray", "--workers", "2",
+        run = subprocess.Popen([*CLI, "serve", "--ray", "--workers", "2",
                                 "--worker-id", "c", "--policy", "random", "--group-size", "4", "--api-url", api.url,
                                 "--out", str(out), "--steps-per-eval", "0", "--quiet"],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
         try:
             seen = Pulled()
-            assert keep_pulling_until(trainer, seen, lambda: all(logged_seeds(out / w) for w in ("c-0", "c-1")), 180)
+            assert keep_pulling_until(trainer, seen, lambda: all(logged_seeds(out / w) for w in ("c-0", "c-1")), rounds=90)
             os.killpg(run.pid, signal.SIGINT)
             output, _ = run.communicate(timeout=180)
         finally:

@@ -7,16 +7,16 @@ only the timing fields of metrics.json may differ.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
-from ray_cluster import NODE, cli, popen_cli, ray
+from helpers import poll_until, popen_cli, run_cli
+from ray_cluster import NODE, ray
 from blackjack_rl.cli import main
 from mock_openai_server import MockServer, blackjack_answers, write_config
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # a Ray cluster per session
 TIMING = ("seconds", "episodes_per_second")
 
 
@@ -36,7 +36,7 @@ def test_sharded_evaluate_equals_the_local_run(ray_cluster, tmp_path):
     """The real command as its own driver (`--ray ADDRESS`), 4 actors on two nodes, many small shards."""
     common = ["evaluate", "--policy", "random", "--episodes", "700", "--concurrency", "8", "--quiet"]
     assert main([*common, "--out", str(tmp_path / "local")]) == 0
-    run = cli(*common, "--out", str(tmp_path / "ray"), "--ray", ray_cluster.address, "--ray-cpus", "0.5")
+    run = run_cli(*common, "--out", str(tmp_path / "ray"), "--ray", ray_cluster.address, "--ray-cpus", "0.5")
     assert run.returncode == 0, run.stdout + run.stderr
     assert_same_evaluation(tmp_path / "local", tmp_path / "ray")
     assert metrics(tmp_path / "ray")["episodes"] == 700
@@ -82,10 +82,11 @@ def test_a_node_removed_mid_run_loses_no_deal_and_counts_none_twice(ray_cluster,
               "--episodes", "480", "--concurrency", "4", "--quiet"]
     try:
         run = popen_cli(*common, "--out", str(tmp_path / "ray"), "--ray", ray_cluster.address)
-        deadline = time.monotonic() + 120
-        while slow_server.stats()["requests"].get("/v1/completions", 0) < 150 and time.monotonic() < deadline:
+        def answered_150() -> bool:
             assert run.poll() is None, run.stdout.read()
-            time.sleep(0.2)
+            return slow_server.stats()["requests"].get("/v1/completions", 0) >= 150
+
+        poll_until(answered_150, attempts=600, interval_s=0.2, what="150 requests to the server")
         assert run.poll() is None, "the run ended before the node could be removed"
         ray_cluster.remove_node(doomed, allow_graceful=False)
         out, _ = run.communicate(timeout=240)

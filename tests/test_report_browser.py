@@ -10,7 +10,6 @@ import asyncio
 import json
 import re
 import subprocess
-import sys
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,14 +22,13 @@ from blackjack_rl.policies.base import Reply
 from blackjack_rl.policies.bots import RandomBot
 from blackjack_rl.report.chromium import browser_context
 from blackjack_rl.report.dataset import DatasetView
+from helpers import CLI, run_cli
 
-CLI = [sys.executable, "-m", "blackjack_rl.cli"]
+pytestmark = pytest.mark.slow  # Chromium, and a 10,000-group dataset
 
 
 def cli(*args):
-    proc = subprocess.run([*CLI, *args, "--quiet"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
+    return run_cli(*args, "--quiet", check=True)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -17,8 +16,7 @@ from blackjack_rl.protocol import parse_action
 from blackjack_rl.policies.sampling import Sampling
 from blackjack_rl.report.modes import decoding_mode
 from canned_server import CannedServer, chat_answer
-
-CLI = [sys.executable, "-m", "blackjack_rl.cli"]
+from helpers import CLI
 
 
 def test_each_server_kind_gets_its_documented_request_fields():
@@ -93,6 +91,7 @@ def test_a_real_server_constrained_by_schema_only_answers_valid_calls(llama_serv
 
 
 @pytest.mark.embedded
+@pytest.mark.slow  # whole commands on the embedded model
 def test_the_report_of_the_embedded_model_says_it_was_constrained(tmp_path):
     """Two real episodes through `evaluate --constrained`, the report opened in Chromium."""
     from blackjack_rl.report.chromium import browser_context

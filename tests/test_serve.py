@@ -6,24 +6,19 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from api_payloads import ATROPOS_REGISTRATION
 from blackjack_rl.api.client import TrainerClient
-from conftest_api import ATROPOS_REGISTRATION, ServerProcess
-
-SRC = Path(__file__).resolve().parents[1] / "src"
+from helpers import ServerProcess, free_port, kill_process, poll_until, popen_cli, stop_process
 
 
 def start_serve(api_url: str, out: Path, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "blackjack_rl.cli", "serve", "--policy", "random", "--group-size", "4",
-           "--api-url", api_url, "--out", str(out), "--quiet", "--worker-id", "w1", "--seed", "5", *extra]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return popen_cli("serve", "--policy", "random", "--group-size", "4", "--api-url", api_url, "--out", str(out),
+                     "--quiet", "--worker-id", "w1", "--seed", "5", *extra)
 
 
 class Pulled(list):
@@ -34,18 +29,19 @@ class Pulled(list):
         self.batch_ids: set[int] = set()
 
 
-def pull(trainer: TrainerClient, want_groups: int, timeout_s: float, seen: Pulled) -> None:
-    """Pull batches until `seen` holds want_groups groups; a batch counts once, by batch_id.
+def pull(trainer: TrainerClient, want_groups: int, seen: Pulled, *, attempts: int = 600) -> None:
+    """Pull batches until `seen` holds want_groups groups, at most `attempts` times; a batch counts once, by batch_id.
 
     A batch can be redelivered after an API restart even if its first delivery was lost
     on the way (the API was killed mid-response), so redelivery alone is no reason to skip.
     """
     ids = seen.batch_ids
-    deadline = time.monotonic() + timeout_s
-    while len(seen) < want_groups and time.monotonic() < deadline:
+    for _ in range(attempts):
+        if len(seen) >= want_groups:
+            return
         try:
             batch = trainer.get_batch()
-        except Exception:  # the API may be down on purpose; keep polling until the deadline
+        except Exception:  # the API may be down on purpose; keep polling
             time.sleep(0.2)
             continue
         if batch is None:
@@ -71,7 +67,7 @@ def test_serve_feeds_a_trainer(tmp_path):
         trainer.register({**ATROPOS_REGISTRATION, "batch_size": 8})
         serve = start_serve(api.url, tmp_path / "w", "--max-groups", "6")
         seen = Pulled()
-        pull(trainer, 6, 60, seen)
+        pull(trainer, 6, seen)
         out, _ = serve.communicate(timeout=60)
         assert serve.returncode == 0, out
         assert len(seen) == 6 and len({group_key(g) for g in seen}) == 6
@@ -95,12 +91,12 @@ def test_api_down_while_serving_loses_nothing(tmp_path):
         trainer.register({**ATROPOS_REGISTRATION, "batch_size": 4})
         serve = start_serve(api.url, tmp_path / "w", "--max-groups", "12", "--max-batches-offpolicy", "2")
         seen = Pulled()
-        pull(trainer, 2, 60, seen)
+        pull(trainer, 2, seen)
         assert len(seen) >= 2
         api.kill()  # kill -9: the worker must park finished groups in its outbox
         time.sleep(3)
         api = ServerProcess(db, port=api.port).start()  # same port, same database
-        pull(trainer, 12, 120, seen)
+        pull(trainer, 12, seen, attempts=1200)
         out, _ = serve.communicate(timeout=90)
         assert serve.returncode == 0, out
         assert len(seen) == 12, f"got {len(seen)} groups"
@@ -119,10 +115,9 @@ def test_evaluates_as_the_trainer_steps_and_drains_on_sigterm(tmp_path):
         trainer.register({**ATROPOS_REGISTRATION, "batch_size": 8})
         serve = start_serve(api.url, tmp_path / "w", "--steps-per-eval", "1", "--eval-episodes", "20")
         seen = Pulled()
-        pull(trainer, 4, 60, seen)  # two trainer steps
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(r["kind"] == "eval" for r in metrics_rows(tmp_path / "w")):
-            time.sleep(0.2)
+        pull(trainer, 4, seen)  # two trainer steps
+        poll_until(lambda: any(r["kind"] == "eval" for r in metrics_rows(tmp_path / "w")), attempts=150,
+                   interval_s=0.2, what="an evaluation row in serve_metrics.jsonl")
         evals = [r for r in metrics_rows(tmp_path / "w") if r["kind"] == "eval"]
         assert evals and evals[0]["episodes"] == 20 and evals[0]["step"] >= 1
         serve.send_signal(signal.SIGTERM)
@@ -130,15 +125,13 @@ def test_evaluates_as_the_trainer_steps_and_drains_on_sigterm(tmp_path):
         assert serve.returncode == 0, out
         stopped = metrics_rows(tmp_path / "w")[-1]
         assert stopped["kind"] == "stopped" and stopped["parked"] == 0 and stopped["sent"] >= 2
-        pull(trainer, stopped["sent"], 30, seen)
+        pull(trainer, stopped["sent"], seen, attempts=300)
         assert len({group_key(g) for g in seen}) == stopped["sent"]
     finally:
         api.kill()
 
 
 def test_serve_without_api_gives_a_clear_error(tmp_path):
-    from conftest_api import free_port
-
     serve = start_serve(f"http://127.0.0.1:{free_port()}", tmp_path / "w", "--register-timeout", "2")
     out, _ = serve.communicate(timeout=120)
     assert serve.returncode == 2 and "error" in out
@@ -153,15 +146,8 @@ def _kill(*procs: subprocess.Popen | ServerProcess | None) -> None:
     for proc in procs:
         if isinstance(proc, ServerProcess):
             proc.kill()
-        elif proc is not None and proc.poll() is None:
-            proc.kill()
-
-
-def _stop(proc: subprocess.Popen) -> str:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=90)
-    return out
+        else:
+            kill_process(proc)
 
 
 def test_a_restarted_worker_continues_its_deals(tmp_path):
@@ -176,7 +162,7 @@ def test_a_restarted_worker_continues_its_deals(tmp_path):
             serve = start_serve(api.url, tmp_path / "w", "--max-groups", "3")
             out, _ = serve.communicate(timeout=90)
             assert serve.returncode == 0, out
-        pull(trainer, 6, 60, seen)
+        pull(trainer, 6, seen)
         assert len(seen) == 6 and len({group_key(g) for g in seen}) == 6
         state = json.loads((tmp_path / "w" / "serve_state.json").read_text())
         (stream,) = state["streams"].values()
@@ -204,13 +190,13 @@ def test_a_killed_worker_with_a_minimum_share_never_stalls_training(tmp_path, re
         a = start_serve(api.url, tmp_path / "a", *a_args)
         b = start_serve(api.url, tmp_path / "b", "--worker-id", "w2", "--max-batches-offpolicy", "1")
         seen = Pulled()
-        pull(trainer, 4, 90, seen)
+        pull(trainer, 4, seen, attempts=900)
         assert len(seen) >= 4
         os.kill(a.pid, signal.SIGKILL)
         a.wait(timeout=30)
         if restart:
             a = start_serve(api.url, tmp_path / "a", *a_args)
-        pull(trainer, len(seen) + 8, 120, seen)
+        pull(trainer, len(seen) + 8, seen, attempts=1200)
         assert len(seen) >= 12, f"training stalled: {len(seen)} groups"
         assert len({group_key(g) for g in seen}) == len(seen)  # no group reached the trainer twice
         if restart:
@@ -224,21 +210,25 @@ def test_the_off_policy_bound_holds_between_polls(tmp_path):
     """--max-batches-offpolicy 1 with batches of 8 and groups of 4: never more than 2 groups ahead.
 
     The trainer takes nothing, so everything the worker plays stays queued; the count is
-    checked after the worker has had many chances (poll cycles and finished deals) to overshoot.
+    checked after the worker has polled the API three more times (counted in the API's
+    access log), each a chance for a leaky bound to queue more.
     """
-    api = ServerProcess(tmp_path / "api.sqlite").start()
+    api = ServerProcess(tmp_path / "api.sqlite", args=["--log-level", "info", "--access-log"]).start()
     serve = None
+
+    def worker_polls() -> int:
+        return sum("GET /status-env" in line for line in api.log.read_text().splitlines())
+
     try:
         trainer = TrainerClient(api.url)
         trainer.register({**ATROPOS_REGISTRATION, "batch_size": 8})
         assert trainer.get_batch() is None
         serve = start_serve(api.url, tmp_path / "w", "--max-batches-offpolicy", "1")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and trainer.status().queue_size < 2:
-            time.sleep(0.1)
+        poll_until(lambda: trainer.status().queue_size >= 2, attempts=600, what="two groups queued")
         assert trainer.status().queue_size == 2
-        time.sleep(3)  # several poll intervals (1 s) in which a leaky bound would queue more
-        out = _stop(serve)
+        polled = worker_polls()
+        poll_until(lambda: worker_polls() >= polled + 3, attempts=600, what="three more polls by the worker")
+        out = stop_process(serve)
         assert serve.returncode == 0, out
         stopped = metrics_rows(tmp_path / "w")[-1]
         assert trainer.status().queue_size == 2 and stopped["sent"] == 2, (trainer.status(), stopped)
@@ -252,10 +242,11 @@ def test_two_workers_on_one_out_folder_are_refused(tmp_path):
     first = second = None
     try:
         first = start_serve(api.url, tmp_path / "w")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (tmp_path / "w" / "outbox.sqlite-wal").exists():
+        def first_holds_its_outbox() -> bool:
             assert first.poll() is None, first.communicate()[0]
-            time.sleep(0.1)
+            return (tmp_path / "w" / "outbox.sqlite-wal").exists()
+
+        poll_until(first_holds_its_outbox, attempts=600, what="the first worker's open outbox")
         second = start_serve(api.url, tmp_path / "w")
         out, _ = second.communicate(timeout=60)
         assert second.returncode == 2 and "another environment worker process is using" in out, out

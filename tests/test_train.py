@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,8 +30,7 @@ from blackjack_rl.train.loop import make_trainable, optimize  # noqa: E402
 from blackjack_rl.policies.torch.model import build_hf_tokenizer, load_model  # noqa: E402
 from blackjack_rl.policies.torch.policy import TorchPolicy  # noqa: E402
 from blackjack_rl.policies.sampling import Sampling  # noqa: E402
-
-SRC = Path(__file__).resolve().parents[1] / "src"
+from helpers import ServerProcess, run_cli  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -133,6 +129,7 @@ def _answer_logprob(model, group, row: int) -> float:
     return float(lp[targets.rows == row].sum())
 
 
+@pytest.mark.slow  # torch training
 @pytest.mark.parametrize("variant", [{}, {"lora": True, "lr": 1e-2}, {"train_layers": 1}])
 def test_one_step_moves_probability_to_the_higher_scored_answer(tiny_model_dir, variant):
     torch.manual_seed(0)
@@ -156,6 +153,7 @@ def test_one_step_moves_probability_to_the_higher_scored_answer(tiny_model_dir, 
     assert _answer_logprob(model, group, 1) < bad_before - 0.05
 
 
+@pytest.mark.slow  # torch training
 def test_groups_without_signal_are_not_trained(tiny_model_dir):
     model, tokenizer = load_model(tiny_model_dir)
     chat = ChatFormat.learn(tokenizer)
@@ -174,16 +172,10 @@ def test_group_advantages():
     assert group_advantages([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "blackjack_rl.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
+@pytest.mark.slow  # torch training
 def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    run = _cli("train", "--model-path", str(tiny_model_dir), "--steps", "2", "--deals-per-step", "2",
+    run = run_cli("train", "--model-path", str(tiny_model_dir), "--steps", "2", "--deals-per-step", "2",
                "--group-size", "4", "--group-by", "step", "--max-tokens", "6", "--eval-episodes", "3",
                "--eval-every", "1", "--save-every", "1", "--lora", "--threads", "1", "--out", str(out), cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -202,7 +194,7 @@ def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir,
     assert (out / "checkpoints" / "step_0001" / "adapter_model.safetensors").is_file()
     assert "train" in (out / "command.txt").read_text()
 
-    ev = _cli("evaluate", "--policy", "hf", "--model-path", str(out / "model"), "--episodes", "3",
+    ev = run_cli("evaluate", "--policy", "hf", "--model-path", str(out / "model"), "--episodes", "3",
               "--max-tokens", "6", "--threads", "1", "--quiet", "--out", str(tmp_path / "ev"), cwd=tmp_path)
     assert ev.returncode == 0, ev.stdout + ev.stderr
     metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
@@ -210,15 +202,15 @@ def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir,
 
 
 def test_train_rejects_other_policies(tmp_path):
-    run = _cli("train", "--policy", "random", "--out", str(tmp_path), cwd=tmp_path)
+    run = run_cli("train", "--policy", "random", "--out", str(tmp_path), cwd=tmp_path)
     assert run.returncode == 2 and "drop --policy" in run.stderr
 
 
+@pytest.mark.slow  # torch training
 def test_trains_on_batches_pulled_from_the_trajectory_api(tiny_policy, solution, tmp_path):
     import httpx
 
     from blackjack_rl.train.sources import ApiSource
-    from conftest_api import ServerProcess
 
     player = Player(tiny_policy, tiny_policy.chat, solution, EpisodeSettings(scoring="expected"))
     groups = [r.group.to_json() for seed in (1, 2)
@@ -242,6 +234,7 @@ def test_trains_on_batches_pulled_from_the_trajectory_api(tiny_policy, solution,
     assert stats["trained_groups"] >= 1 and stats["logprob_gap"] < 1e-3  # same weights sampled them
 
 
+@pytest.mark.slow  # torch training
 def test_per_token_credit_moves_the_decision_and_not_the_format(tiny_model_dir):
     """A group of a hit and a stick call whose only credit is on the action token: one step
     raises the better action's probability, and the format tokens barely move."""
@@ -285,13 +278,14 @@ def test_per_token_credit_moves_the_decision_and_not_the_format(tiny_model_dir):
     assert sum(format_moves) / len(format_moves) < 0.2 * (hit_gain - stick_gain)
 
 
+@pytest.mark.slow  # torch training
 def test_a_resumed_run_takes_the_same_next_step(tiny_model_dir, tmp_path):
     common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "3", "--group-by",
               "step", "--counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "0",
               "--save-every", "1", "--threads", "1", "--lr", "1e-3", "--seed", "5"]
-    whole = _cli("train", *common, "--steps", "2", "--out", str(tmp_path / "whole"), cwd=tmp_path)
+    whole = run_cli("train", *common, "--steps", "2", "--out", str(tmp_path / "whole"), cwd=tmp_path)
     assert whole.returncode == 0, whole.stdout + whole.stderr
-    resumed = _cli("train", *common, "--steps", "2", "--resume", str(tmp_path / "whole" / "checkpoints" / "step_0001"),
+    resumed = run_cli("train", *common, "--steps", "2", "--resume", str(tmp_path / "whole" / "checkpoints" / "step_0001"),
                    "--out", str(tmp_path / "resumed"), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout
@@ -313,7 +307,7 @@ def test_a_resumed_run_takes_the_same_next_step(tiny_model_dir, tmp_path):
 
 
 def test_resume_from_a_folder_without_trainer_state_is_one_line(tiny_model_dir, tmp_path):
-    run = _cli("train", "--model-path", str(tiny_model_dir), "--steps", "1", "--resume", str(tmp_path),
+    run = run_cli("train", "--model-path", str(tiny_model_dir), "--steps", "1", "--resume", str(tmp_path),
                "--eval-episodes", "0", "--out", str(tmp_path / "o"), cwd=tmp_path)
     assert run.returncode != 0 and "trainer_state.pt" in run.stderr + run.stdout
     assert "Traceback" not in run.stderr
