@@ -24,7 +24,7 @@ from blackjack_rl.config import load_settings
 from blackjack_rl.groups import Player, play_group
 from blackjack_rl.policies.bots import OptimalBot
 from blackjack_rl.players import build_player
-from blackjack_rl.runner import group_seeds
+from blackjack_rl.jobs import group_seeds
 from blackjack_rl.stepgroups import play_step_groups
 from blackjack_rl.tokens import MASKED
 

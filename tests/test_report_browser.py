@@ -158,14 +158,13 @@ def test_report_episode_browser_shows_decisions_against_the_optimum(browser, thr
 def test_report_lists_invalid_answers_by_reason_with_real_examples(browser, tmp_path, vocab_chat, solution):
     from blackjack_rl.evaluate import compute_metrics, run_evaluation
     from blackjack_rl.report.evaluation import write_report
-    from blackjack_rl.runner import episode_rows
 
     player = Player(SometimesWrong(), vocab_chat, solution, EpisodeSettings())
     with ThreadPoolExecutor(1) as pool:  # playwright owns this thread's event loop
         episodes = pool.submit(asyncio.run, run_evaluation(player, 300, 16)).result()
     metrics = compute_metrics(episodes, player)
-    assert metrics["invalid_by_reason"]["no_call"]["count"] > 0
-    write_report(tmp_path / "report.html", metrics, episode_rows(episodes), solution)
+    assert metrics.invalid_by_reason["no_call"].count > 0
+    write_report(tmp_path / "report.html", metrics, [ep.sample_row() for ep in episodes], solution)
     page = Opened(browser, tmp_path / "report.html")
     try:
         page.assert_clean()
@@ -195,26 +194,25 @@ def test_report_episode_browser_shows_any_answer_text(browser, tmp_path, vocab_c
     line separators and lone surrogates are the rest of that class."""
     from blackjack_rl.evaluate import compute_metrics, run_evaluation
     from blackjack_rl.report.evaluation import write_report
-    from blackjack_rl.runner import episode_rows
 
     player = Player(SaysAnything(), vocab_chat, solution, EpisodeSettings())
     with ThreadPoolExecutor(1) as pool:  # playwright owns this thread's event loop
         episodes = pool.submit(asyncio.run, run_evaluation(player, 30, 8)).result()
-    rows = episode_rows(episodes)
+    rows = [ep.sample_row() for ep in episodes]
     for row in rows:  # a lone surrogate cannot be tokenized, but may arrive in the text of a row
-        row["messages"][-1]["content"] = EVIL + row["messages"][-1]["content"]
+        row.messages[-1]["content"] = EVIL + row.messages[-1]["content"]
     write_report(tmp_path / "report.html", compute_metrics(episodes, player), rows, solution)
     page = Opened(browser, tmp_path / "report.html")
     try:
         page.assert_clean()
         assert page.page.evaluate("window.pwned") is None
         assert page.page.locator("#eplist .item").count() == 30
-        assert page.page.locator("#eplist .item").first.get_attribute("data-seed") == str(rows[0]["seed"])
+        assert page.page.locator("#eplist .item").first.get_attribute("data-seed") == str(rows[0].seed)
         shown = page.page.inner_text("#epdetail")
         assert "</script><script>window.pwned = 1</script> <!-- <script> x" in shown and "take_action" in shown
         answers = page.page.evaluate(
             "JSON.parse(document.getElementById('episodes-data').textContent).episodes.map(e => e.messages.at(-1)[1])")
-        assert answers == [row["messages"][-1]["content"] for row in rows]
+        assert answers == [row.messages[-1]["content"] for row in rows]
     finally:
         page.close()
 

@@ -165,7 +165,7 @@ def _shards(settings):
 
 
 def _cmd_process(args: argparse.Namespace, console: Console) -> int:
-    from .runner import run_process
+    from .jobs import run_process
 
     settings = settings_from_args(args)
     with _shards(settings) as shards:
@@ -181,7 +181,7 @@ def _cmd_process(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     from .report.console import print_metrics
-    from .runner import run_evaluate
+    from .jobs import run_evaluate
 
     settings = settings_from_args(args)
     with _shards(settings) as shards:
@@ -241,7 +241,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
-    from .serve import serve
+    from .env_worker import serve
 
     settings = settings_from_args(args)
     if settings.ray.address is not None:

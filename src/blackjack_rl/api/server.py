@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .body import content_coding, gunzip_limited, read_limited
 from .errors import ApiError
 from .ingest import decode_payload
-from .pool import IngestPool
+from .ingest_workers import IngestPool
 from .models import EnvIdentifier, Registration, RegisterEnv
 from .settings import ApiConfig
 from .store import BatchRows, Store, StoreRunner

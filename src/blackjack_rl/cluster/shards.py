@@ -5,8 +5,8 @@ Why it looks like this:
   per actor, a torch model, or a client of the shared server pool), and plays shard
   after shard. Every episode's cards and sampling seeds depend only on its deal seed, so
   which actor plays a shard changes nothing: the driver puts the shards back in seed
-  order and hands them to the same writers as a local run (`runner.run_evaluate`,
-  `runner.run_process`), which write the same metrics and the same groups.jsonl.
+  order and hands them to the same writers as a local run (`jobs.run_evaluate`,
+  `jobs.run_process`), which write the same metrics and the same groups.jsonl.
 - Shards are small (several per actor), so the one progress bar moves steadily and a
   lost shard costs little.
 - A shard whose actor or node dies is played again by another actor; its result is kept
@@ -97,7 +97,7 @@ class Shards:
     # -- the two jobs ------------------------------------------------------------------
 
     async def evaluate(self, n: int, advance: Callable[[int], Any]) -> list[Episode]:
-        """`runner.EpisodeSource`: the first n evaluation deals, in seed order."""
+        """`jobs.EpisodeSource`: the first n evaluation deals, in seed order."""
         size = self._chunk(n, 500)
         chunks = [(first, min(size, n - first)) for first in range(0, n, size)]
         results: dict[int, list[Episode]] = {}
@@ -107,7 +107,7 @@ class Shards:
         return [ep for i in range(len(chunks)) for ep in results[i]]
 
     async def deals(self, seeds: list[int]) -> AsyncIterator[list[GroupResult]]:
-        """`runner.DealSource`: each deal's results, in seed order, as soon as all before it are in."""
+        """`jobs.DealSource`: each deal's results, in seed order, as soon as all before it are in."""
         size = self._chunk(len(seeds), 64)
         chunks = [(seeds[i:i + size],) for i in range(0, len(seeds), size)]
         done: dict[int, list[list[GroupResult]]] = {}

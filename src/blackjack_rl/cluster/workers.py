@@ -30,7 +30,7 @@ from typing import Any
 
 from ..api.dblock import DatabaseInUse
 from ..config import Settings
-from ..serve import ServeStats
+from ..env_worker import ServeStats
 from . import ClusterError, connected, node_failure_errors, task_error
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class ServeWorker:
 
     def run(self) -> ServeStats:
         from ..players import build_player
-        from ..serve import serve
+        from ..env_worker import serve
 
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
