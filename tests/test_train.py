@@ -365,3 +365,21 @@ def test_answer_scores_asked_together_are_batched_and_equal_to_one_by_one(tiny_p
     for a, b in zip(alone, batched):
         for x, y in zip(a, b):
             assert x == pytest.approx(y, abs=1e-4)
+
+
+def test_batch_metrics_read_the_policys_call_probabilities_from_two_call_groups(tiny_policy, solution):
+    """Groups of the two forced calls alone sample nothing; the log still shows, exactly and for
+    free, how likely the policy is to write a call and how often it would hit, by optimal action."""
+    from blackjack_rl.train.metrics import batch_metrics
+
+    player = Player(tiny_policy, tiny_policy.chat, solution, EpisodeSettings())
+    config = GroupConfig(group_size=0, group_by="step", counterfactual=True)
+    groups = [r.group.to_json() for seed in range(6) for r in asyncio.run(play_deal(player, seed, config))]
+    assert groups and all(len(g["tokens"]) == 2 for g in groups)
+    m = batch_metrics(groups)
+    assert m["mean_score"] is None and m["decisions"] == 0  # nothing was sampled
+    firsts = [g["episodes"][0] for g in groups]
+    assert m["p_valid_call"] == pytest.approx(sum(f["p_valid"] for f in firsts) / len(firsts))
+    for optimal, key in (("hit", "p_hit_hit_optimal"), ("stick", "p_hit_stick_optimal")):
+        mine = [f["p_call"]["hit"] for f in firsts if f["optimal"] == optimal]
+        assert m[key] == (pytest.approx(sum(mine) / len(mine)) if mine else None)
