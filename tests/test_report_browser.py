@@ -62,7 +62,7 @@ class Opened:
 
 
 def _lookup(metrics, dotted):
-    value = metrics
+    value = metrics if isinstance(metrics, dict) else metrics.to_json()
     for part in dotted.split("."):
         value = value[part]
     return value
@@ -265,11 +265,12 @@ def big_dataset(tmp_path_factory, vocab_chat, solution):
     expected = {"no_call": 0, "mixed": 0}
     with DatasetView(out / "groups.html", vocab_chat.backend) as view:
         for i in range(10_000):
-            group = dict(played[i % 40])
-            group["episodes"] = [dict(ep, seed=1_000_000 + i) for ep in group["episodes"]]
+            source = played[i % 40]
+            group = source.model_copy(update={"episodes": [ep.model_copy(update={"seed": 1_000_000 + i})
+                                                           for ep in source.episodes]})
             view.add(group)
-            expected["no_call"] += any(ep.get("invalid_reason") == "no_call" for ep in group["episodes"])
-            expected["mixed"] += len(set(group["scores"])) > 1
+            expected["no_call"] += any(ep.invalid_reason == "no_call" for ep in group.episodes)
+            expected["mixed"] += len(set(group.scores)) > 1
     assert 0 < expected["no_call"] < 10_000 and 0 < expected["mixed"] < 10_000
     return out, played, expected
 
@@ -328,8 +329,8 @@ def test_viewer_highlights_the_trained_tokens(browser, big_dataset):
         first = p.locator('.group[data-index="0"] details.tokens').first
         first.locator("summary").click()
         p.wait_for_selector('.group[data-index="0"] details.tokens .tok span')
-        masks = played[0]["masks"][0]
-        tokens = played[0]["tokens"][0]
+        masks = played[0].masks[0]
+        tokens = played[0].tokens[0]
         assert first.locator(".tok span.t").count() == sum(m != -100 for m in masks)
         assert first.locator(".tok span.t, .tok span.c").count() == len(tokens)
         text = "".join(first.locator(".tok").inner_text().split())
