@@ -46,6 +46,19 @@ class _Scoring:
     future: asyncio.Future
 
 
+def _settle(batch: Sequence[_Request | _Scoring], results: Sequence[Any] = (),
+            error: BaseException | None = None) -> None:
+    """Hand each waiting request of a batch its result, or the batch's error (a caller that
+    was cancelled meanwhile is skipped)."""
+    for i, r in enumerate(batch):
+        if r.future.done():
+            continue
+        if error is not None:
+            r.future.set_exception(error)
+        else:
+            r.future.set_result(results[i])
+
+
 _SCORE_CHUNK = 32  # (prompt, answers) items per scoring forward
 _TRUNK_CACHE_MAX = 4096  # sequences (~1 MB each for SmolLM2)
 
@@ -157,17 +170,16 @@ class TorchPolicy:
                 for i in range(0, len(items), _SCORE_CHUNK):
                     flat += await loop.run_in_executor(self._worker, self.score_answers, items[i : i + _SCORE_CHUNK], t)
             except Exception as exc:  # noqa: BLE001 - every waiting caller learns it failed
-                for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(exc)
+                _settle(batch, error=exc)
                 continue
+            results = []
             for r in batch:
                 out = []
                 for _, answers in r.items:
                     out.append(flat[: len(answers)])
                     flat = flat[len(answers) :]
-                if not r.future.done():
-                    r.future.set_result(out)
+                results.append(out)
+            _settle(batch, results)
 
     def score_answers(self, items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
                       temperature: float) -> list[list[float]]:
@@ -257,15 +269,13 @@ class TorchPolicy:
             try:
                 replies = await loop.run_in_executor(self._worker, self.generate, prompts, seeds)
             except Exception as exc:  # noqa: BLE001 - every waiting episode learns it failed
-                for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(exc if isinstance(exc, InferenceError) else InferenceError(repr(exc)))
+                _settle(batch, error=exc if isinstance(exc, InferenceError) else InferenceError(repr(exc)))
                 continue
-            i = 0
+            results, i = [], 0
             for r in batch:
-                if not r.future.done():
-                    r.future.set_result(replies[i : i + len(r.prompts)])
+                results.append(replies[i : i + len(r.prompts)])
                 i += len(r.prompts)
+            _settle(batch, results)
 
     def generate(self, prompts: list[Sequence[int]], seeds: list[int]) -> list[Reply]:
         """Sample one reply per prompt, synchronously (one batch)."""
