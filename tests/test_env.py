@@ -116,3 +116,53 @@ def test_episodes_record_the_reprompts(vocab_chat, solution):
     assert ep.status == "finished" and ep.retries == 1 and ep.record().retries == 1
     assert [m["role"] for m in ep.messages] == ["system", "user", "assistant", "user", "assistant"]
     assert "no_call" in ep.messages[3]["content"]
+
+
+def test_exploring_starts_put_the_player_in_the_state_and_keep_the_seeds_cards():
+    import random
+
+    from blackjack_rl.game import Observation, hand_in_state
+    from blackjack_rl.grid import GRID_STATES
+
+    for s, d, u in GRID_STATES:
+        for k in range(5):
+            hand = hand_in_state(s, u, random.Random(k))
+            total = sum(hand) + (10 if 1 in hand and sum(hand) + 10 <= 21 else 0)
+            assert (total, 1 in hand and sum(hand) + 10 == total) == (s, u)
+            assert sorted(hand) != [1, 10] and all(1 <= c <= 10 for c in hand)  # never a natural
+    table = Table()
+    for seed in range(20):
+        table.reset(seed)
+        dealt_card = table.step(HIT).observation  # the seed's next card, drawn after the deal
+        natural_hand = table.player_hand
+        start = Observation(13, 1, True)
+        assert table.reset(seed, start) == start
+        table.step(HIT)
+        assert table.player_hand[-1] == natural_hand[-1], dealt_card
+        assert table.dealer_hand[0] == 1
+
+
+def test_balanced_starts_cover_the_chart_half_hit_optimal(solution):
+    from blackjack_rl.grid import GRID_STATES, balanced_start
+
+    starts = [balanced_start(seed, solution) for seed in range(4000)]
+    hit = sum(solution.best_action(k) == HIT for k in starts)
+    assert 0.45 < hit / len(starts) < 0.55  # the deal distribution's first decisions: 53% / 47%
+    assert set(starts) == set(GRID_STATES)
+    assert starts == [balanced_start(seed, solution) for seed in range(4000)]  # reproducible
+
+
+def test_step_groups_with_chart_starts_begin_in_the_drawn_state(vocab_chat, solution):
+    from blackjack_rl.config import GroupConfig
+    from blackjack_rl.deals import play_deal
+    from blackjack_rl.grid import balanced_start
+    from blackjack_rl.groups import Player
+    from blackjack_rl.policies.bots import OptimalBot
+
+    player = Player(OptimalBot(solution), vocab_chat, solution, EpisodeSettings())
+    config = GroupConfig(group_size=2, group_by="step", starts="chart", token_advantages=True)
+    for seed in range(10):
+        first = asyncio.run(play_deal(player, seed, config))[0].group.episodes[0]
+        assert tuple(first.state) == tuple(int(x) for x in balanced_start(seed, solution))
+    with pytest.raises(ValueError, match="--starts chart is for step groups"):
+        GroupConfig(starts="chart")

@@ -383,3 +383,59 @@ def test_batch_metrics_read_the_policys_call_probabilities_from_two_call_groups(
     for optimal, key in (("hit", "p_hit_hit_optimal"), ("stick", "p_hit_stick_optimal")):
         mine = [f["p_call"]["hit"] for f in firsts if f["optimal"] == optimal]
         assert m[key] == (pytest.approx(sum(mine) / len(mine)) if mine else None)
+
+
+def _two_call_groups(policy, solution, seeds) -> list[dict]:
+    player = Player(policy, policy.chat, solution, EpisodeSettings())
+    config = GroupConfig(group_size=0, group_by="step", counterfactual=True)
+    return [r.group.to_json() for seed in seeds for r in asyncio.run(play_deal(player, seed, config))]
+
+
+def test_balanced_actions_weigh_hit_and_stick_optimal_decisions_equally(tiny_policy, solution):
+    from blackjack_rl.train.grpo import action_balance
+
+    groups = _two_call_groups(tiny_policy, solution, range(12))
+    optimal = [g["episodes"][0]["optimal"] for g in groups]
+    assert optimal.count("hit") != optimal.count("stick")  # these deals are unbalanced
+    foreign = {"tokens": [[1, 2]], "masks": [[MASKED, 2]], "scores": [1.0]}  # another environment's group
+    weights = action_balance([*groups, foreign])
+    assert weights[-1] == 1.0
+    totals = {a: sum(w for w, o in zip(weights, optimal) if o == a) for a in ("hit", "stick")}
+    assert totals["hit"] == pytest.approx(totals["stick"]) == pytest.approx(len(groups) / 2)
+    one_class = [g for g, o in zip(groups, optimal) if o == "hit"]
+    assert action_balance(one_class) == [1.0] * len(one_class)  # nothing to balance against
+
+
+def test_balance_actions_takes_the_step_of_the_weighted_groups(tiny_model_dir, tiny_policy, solution):
+    """--balance-actions is the same step as training on groups whose advantages were weighted."""
+    from blackjack_rl.train.grpo import action_balance, weighted
+
+    groups = _two_call_groups(tiny_policy, solution, range(12))
+    by_action = {a: [g for g in groups if g["episodes"][0]["optimal"] == a] for a in ("hit", "stick")}
+    groups = by_action["hit"][:3] + by_action["stick"][:1]  # three to one
+    manual = [weighted(g, None, w)[0] for g, w in zip(groups, action_balance(groups))]
+    assert manual != groups
+    after = []
+    for balance, batch in ((True, groups), (False, manual)):
+        model, _ = load_model(tiny_model_dir)
+        settings = Settings(train=TrainConfig(balance_actions=balance))
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimize(model, torch.optim.SGD(params, lr=1.0), params, batch, LossConfig(), settings, None)
+        after.append(torch.cat([p.detach().flatten() for p in params]))
+    assert torch.equal(after[0], after[1])
+    model, _ = load_model(tiny_model_dir)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimize(model, torch.optim.SGD(params, lr=1.0), params, groups, LossConfig(), Settings(), None)
+    assert not torch.equal(torch.cat([p.detach().flatten() for p in params]), after[0])
+
+
+def test_a_lone_answer_scored_above_a_frozen_trunk_equals_the_full_forward(tiny_policy, vocab_chat):
+    """With the lower layers frozen, their states are computed once per new sequence; a single
+    new sequence (all of it a "shared prefix") used to leave no states to compute and failed."""
+    chat = tiny_policy.chat
+    prompt = chat.prompt_ids(opening_messages(Observation(15, 10, False)))
+    call = [chat.answer_ids(tool_call_text(HIT))]
+    full = asyncio.run(tiny_policy.answer_logprobs(prompt, call))
+    tiny_policy.frozen_below = 1
+    split = asyncio.run(tiny_policy.answer_logprobs(prompt, call))
+    assert split[0] == pytest.approx(full[0], abs=1e-4)

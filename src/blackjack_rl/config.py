@@ -168,11 +168,17 @@ class GroupConfig(_Section):
     counterfactual: bool = Field(
         False, description="step groups: also add both valid calls, forced, scored by Q* with the policy's own "
                            "logprobs (exact all-action gradient; embedded and hf policies); implies token advantages")
+    starts: Literal["deal", "chart"] = Field(
+        "deal", description="step groups: deal: each deal starts where the cards put it; chart: in a strategy-chart "
+                            "state, hit-optimal or stick-optimal with equal chance (exploring starts, for training)")
+
     @model_validator(mode="after")
     def _forced_calls_only_in_counterfactual_step_groups(self) -> "GroupConfig":
         if self.group_size == 0 and not (self.group_by == "step" and self.counterfactual):
             raise ValueError("--group-size 0 makes groups of the two forced calls only: it needs --group-by step "
                              "--counterfactual")
+        if self.starts != "deal" and self.group_by != "step":
+            raise ValueError("--starts chart is for step groups: use --group-by step")
         return self
 
     @property
@@ -256,10 +262,15 @@ class TrainConfig(_Section):
     deals_per_step: int = Field(4, ge=1, description="local: deals played per step (one group each, or one per decision)")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2: how long it remembers gradient sizes "
+                                                             "(0.9: ~10 steps; lower it when one credit fades and "
+                                                             "a smaller one must take over)")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping: largest gradient norm")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip of the importance ratio")
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the initial model (0: no reference model)")
     scale_advantages: bool = Field(True, description="divide advantages by the group's score std (GRPO; off: Dr. GRPO)")
+    balance_actions: bool = Field(False, description="weigh each batch's decisions so that hit-optimal and "
+                                                     "stick-optimal states count equally (step groups)")
     updates_per_batch: int = Field(1, ge=1, description="optimizer steps on each batch (>1 makes later ones off-policy)")
     lora: bool = Field(False, description="train LoRA adapters (peft) instead of every weight")
     lora_rank: int = Field(16, ge=1, description="LoRA rank")

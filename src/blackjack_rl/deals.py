@@ -19,7 +19,8 @@ async def play_deal(player: Player, seed: int, config, limiter: asyncio.Semaphor
                                       drop_equal_scores=config.drop_equal_scores, limiter=limiter,
                                       counterfactual=config.counterfactual,
                                       token_advantages=config.token_advantages,
-                                      scale_decisions=config.scale_decisions, format_weight=config.format_weight)
+                                      scale_decisions=config.scale_decisions, format_weight=config.format_weight,
+                                      starts=config.starts)
         return deal.groups
     if config.counterfactual:
         raise ValueError("counterfactual groups are step groups: use --group-by step with --counterfactual")

@@ -174,14 +174,16 @@ class BlackjackEnv:
         """Answers given so far in this episode."""
         return len(self.play.decisions)
 
-    def reset(self, seed: int, record: Play | None = None) -> tuple[list[dict[str, str]], dict[str, Any]]:
+    def reset(self, seed: int, record: Play | None = None, start: Observation | None = None
+              ) -> tuple[list[dict[str, str]], dict[str, Any]]:
         """Deal `seed` (the same seed always deals the same cards and draws). `record`, when
-        given, is filled in place of a fresh `Play` (episode play passes its `Episode`)."""
+        given, is filled in place of a fresh `Play` (episode play passes its `Episode`).
+        `start` begins the game in that state instead of the dealt one (exploring starts)."""
         play = record if record is not None else Play()
         play.seed = int(seed)
         play.status = Status.PLAYING
         self.play = play
-        self.observation = self.table.reset(play.seed)
+        self.observation = self.table.reset(play.seed, start)
         play.start_value = self.solution.v(self.observation, self.natural)
         info = {"seed": play.seed, "start_value": play.start_value, **self._state_info()}
         return opening_messages(self.observation, self.settings.thinking), info

@@ -9,6 +9,7 @@ hands for the episode record.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -50,6 +51,28 @@ def _hand_total(hand: list[int]) -> int:
     return total + 10 if 1 in hand and total + 10 <= 21 else total
 
 
+def hand_in_state(player_sum: int, usable_ace: bool, rng: random.Random) -> list[int]:
+    """A player hand (cards 1-10, 1 an ace) with this total and usable ace, never a natural.
+
+    Hard totals are two cards without an ace (three for 21), soft ones an ace and one card
+    (an ace and two for 21); the split is drawn from `rng`.
+    """
+    if usable_ace:
+        if not 12 <= player_sum <= 21:
+            raise ValueError(f"a soft total is 12 to 21, got {player_sum}")
+        if player_sum < 21:
+            return [1, player_sum - 11]
+        a = rng.randint(2, 8)
+        return [1, a, 10 - a]
+    if not 4 <= player_sum <= 21:
+        raise ValueError(f"a hard total is 4 to 21, got {player_sum}")
+    if player_sum == 21:
+        a = rng.randint(2, 9)
+        return [10, a, 11 - a]
+    a = rng.randint(max(2, player_sum - 10), min(10, player_sum - 2))
+    return [a, player_sum - a]
+
+
 class Table:
     """One reusable Blackjack-v1 env. `reset(seed)` fixes the deal and every later draw."""
 
@@ -61,9 +84,15 @@ class Table:
         self._env = self._wrapped.unwrapped
         self._done = True
 
-    def reset(self, seed: int) -> Observation:
+    def reset(self, seed: int, start: Observation | None = None) -> Observation:
+        """Deal `seed`; with `start`, the player's hand and the dealer's up card are replaced by a
+        hand in that state (exploring starts), and every later card is still the seed's."""
         obs, _ = self._env.reset(seed=seed)
         self._done = False
+        if start is not None:
+            self._env.player = hand_in_state(start.player_sum, start.usable_ace, random.Random(seed))
+            self._env.dealer[0] = int(start.dealer_card)
+            return Observation(_hand_total(self._env.player), int(start.dealer_card), start.usable_ace)
         return Observation(int(obs[0]), int(obs[1]), bool(obs[2]))
 
     def step(self, action: int) -> StepResult:

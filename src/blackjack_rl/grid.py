@@ -144,3 +144,21 @@ def hit_share(logprob_hit: float, logprob_stick: float) -> float:
     if diff > 700:
         return 0.0
     return 1.0 / (1.0 + math.exp(diff))
+
+
+def balanced_start(seed: int, solution: Solution) -> GridKey:
+    """An exploring start: a chart state where hitting is optimal or one where sticking is,
+    with equal chance, uniform within each (reproducibly from `seed`).
+
+    Why: the real deal distribution repeats a few hands (hard 12-17) and its decisions are
+    not balanced between the two actions, so a policy that cannot yet tell hands apart
+    learns one shared preference first. Measured on SmolLM2-135M (docs/training/): decision
+    training over batches of distinct chart states, balanced by optimal action, took chart
+    accuracy from 49% to 91% in 40 steps; over batches of dealt hands it did not move.
+    """
+    import random
+
+    rng = random.Random(seed ^ 0x57A27)
+    hit = [k for k in GRID_STATES if solution.best_action(k) == HIT]
+    stick = [k for k in GRID_STATES if solution.best_action(k) != HIT]
+    return rng.choice(hit if rng.random() < 0.5 else stick)

@@ -49,6 +49,8 @@ from .credit import (
 )
 from .env import BlackjackEnv
 from .episode import sampling_seed, without_thoughts
+from .game import Observation
+from .grid import balanced_start
 from .groups import GroupResult, Player
 from .policies.base import Reply, Turn, answers_at_once
 from .protocol import ACTION_NAMES, HIT, STICK, parse_action, tool_call_text
@@ -98,13 +100,15 @@ async def play_step_groups(
     token_advantages: bool = False,
     scale_decisions: bool = False,
     format_weight: float = 1.0,
+    starts: str = "deal",
 ) -> StepDeal:
     settings, chat, solution = player.settings, player.chat, player.solution
     deal = StepDeal(seed)
     table = player.tables.acquire()
     env = BlackjackEnv(solution, settings, table)  # the canonical episode: the one game loop
     try:
-        messages, _ = env.reset(seed)
+        start = Observation(*balanced_start(seed, solution)) if starts == "chart" else None
+        messages, _ = env.reset(seed, start=start)
         context = Trajectory()
         context.add_context(chat.prompt_ids(messages))
         while True:

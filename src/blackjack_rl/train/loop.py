@@ -34,7 +34,7 @@ from ..policies.torch.forward import causal_lm
 from ..policies.torch.logprobs import token_logprobs
 from ..policies.torch.model import add_lora, export_model, save_adapter
 from ..policies.torch.policy import TorchPolicy
-from .grpo import LossConfig, carries_signal, group_loss, merge_groups, scalar_advantages
+from .grpo import LossConfig, action_balance, carries_signal, group_loss, merge_groups, scalar_advantages, weighted
 from .metrics import batch_metrics, eval_summary
 from .plot import plot_log
 from .sources import ApiSource, GroupSource, LocalSource
@@ -109,10 +109,11 @@ def optimize(
     forward is backpropagated as soon as its loss is known, so memory holds one graph at a time.
     """
     work = []
-    for g in groups:
+    weights = action_balance(groups) if settings.train.balance_actions else [1.0] * len(groups)
+    for g, w in zip(groups, weights):
         adv = scalar_advantages(g, loss_config.scale_advantages)
         if carries_signal(g, adv):
-            work.append((g, adv))
+            work.append(weighted(g, adv, w))
     stats: dict[str, Any] = {"trained_groups": len(work), "trained_sequences": sum(len(g["tokens"]) for g, _ in work)}
     if not work:
         return stats
@@ -284,7 +285,7 @@ def run_training(
     progress(f"training {sum(p.numel() for p in params):,} of {sum(p.numel() for p in model.parameters()):,} "
              f"parameters ({'LoRA' if t.lora else 'full'}"
              + (f", top {t.train_layers} layers" if t.train_layers else "") + ")")
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, t.adam_beta2))
     reference = make_reference(model, settings)
     loss_config = LossConfig(t.clip_eps, t.kl_coef, settings.policy.temperature, t.scale_advantages)
     # Below this layer nothing trains: sampling records the states entering it, and training

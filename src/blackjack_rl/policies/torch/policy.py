@@ -226,7 +226,8 @@ class TorchPolicy:
             self._trunk_cache.clear()
         todo = [seq for seq in tokens if tuple(seq) not in self._trunk_cache]
         if todo:
-            p = min(common_prefix_length(todo), min(len(x) for x in todo) - 1)
+            # at least one state per row is computed below (a lone sequence would otherwise be all prefix)
+            p = max(0, min(common_prefix_length(todo), min(len(x) for x in todo) - 2))
             widths = [len(x) - 1 - p for x in todo]  # the states predicting every token but the first
             width = max(widths)
             ids = torch.zeros(len(todo), width, dtype=torch.long)
