@@ -439,3 +439,35 @@ def test_a_lone_answer_scored_above_a_frozen_trunk_equals_the_full_forward(tiny_
     tiny_policy.frozen_below = 1
     split = asyncio.run(tiny_policy.answer_logprobs(prompt, call))
     assert split[0] == pytest.approx(full[0], abs=1e-4)
+
+
+def test_a_run_started_from_a_saved_adapter_continues_that_adapter(tiny_model_dir, tmp_path):
+    """--init-adapter: the second run's step-0 chart is the first run's final one (the same
+    weights), and its final adapter is one adapter over the base model, not a stack."""
+    common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "0", "--group-by",
+              "step", "--counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "1",
+              "--threads", "1", "--lr", "1e-2", "--lora", "--steps", "1"]
+    first = run_cli("train", *common, "--out", str(tmp_path / "one"), cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = run_cli("train", *common, "--seed", "1", "--init-adapter", str(tmp_path / "one" / "adapter"),
+                     "--out", str(tmp_path / "two"), cwd=tmp_path)
+    assert second.returncode == 0, second.stdout + second.stderr
+
+    def grid_rows(path):
+        rows = [json.loads(x) for x in (path / "train_log.jsonl").read_text().splitlines()]
+        return [[p for row in r["grid_p_hit"] for p in row] for r in rows if "grid_p_hit" in r]
+
+    end_of_first, start_of_second = grid_rows(tmp_path / "one")[-1], grid_rows(tmp_path / "two")[0]
+    assert start_of_second == pytest.approx(end_of_first, abs=1e-5)
+    assert start_of_second != pytest.approx(grid_rows(tmp_path / "one")[0], abs=1e-5)  # the first run moved it
+    config = json.loads((tmp_path / "two" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == json.loads(
+        (tmp_path / "one" / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+    wrong = run_cli("train", *common, "--lora-rank", "4", "--init-adapter", str(tmp_path / "one" / "adapter"),
+                    "--out", str(tmp_path / "three"), cwd=tmp_path)
+    assert wrong.returncode != 0 and "--lora-rank" in wrong.stderr and "Traceback" not in wrong.stderr
+    no_lora = [c for c in common if c != "--lora"]
+    plain = run_cli("train", *no_lora, "--init-adapter", str(tmp_path / "one" / "adapter"),
+                    "--out", str(tmp_path / "four"), cwd=tmp_path)
+    assert plain.returncode != 0 and "needs --lora" in plain.stderr and "Traceback" not in plain.stderr

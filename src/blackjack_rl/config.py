@@ -286,6 +286,9 @@ class TrainConfig(_Section):
     resume: Path | None = Field(None, description="continue from a checkpoint folder written by --save-every "
                                                   "(weights, optimizer state, step, deal stream)",
                                 json_schema_extra={"metavar": "CHECKPOINT"})
+    init_adapter: Path | None = Field(None, description="LoRA: start the adapters from this saved adapter (OUT/adapter "
+                                                       "or a checkpoint of an earlier run), with a fresh optimizer",
+                                      json_schema_extra={"metavar": "DIR"})
     max_minutes: float | None = Field(None, gt=0, description="stop after this many minutes of training (charts and "
                                                               "evaluations not counted), then evaluate and save")
     api_url: str = Field("http://127.0.0.1:8000", description="api: the trajectory API")

@@ -32,7 +32,7 @@ from ..probe import probe_policy
 from ..protocol import STICK, tool_call_text
 from ..policies.torch.forward import causal_lm
 from ..policies.torch.logprobs import token_logprobs
-from ..policies.torch.model import add_lora, export_model, save_adapter
+from ..policies.torch.model import add_lora, export_model, load_adapter_weights, save_adapter
 from ..policies.torch.policy import TorchPolicy
 from .grpo import LossConfig, action_balance, carries_signal, group_loss, merge_groups, scalar_advantages, weighted
 from .metrics import batch_metrics, eval_summary
@@ -279,6 +279,9 @@ def run_training(
     torch.manual_seed(settings.seed)
 
     model = make_trainable(policy.model, settings)
+    if t.init_adapter is not None:
+        load_adapter_weights(model, t.init_adapter)
+        progress(f"LoRA adapters start from {t.init_adapter}")
     policy.model = model  # the model that samples is the model that learns
     policy.max_batch = t.max_batch
     params = [p for p in model.parameters() if p.requires_grad]

@@ -190,6 +190,32 @@ def add_lora(model: Any, rank: int, alpha: float, layers: list[int] | None = Non
     return get_peft_model(model, config)
 
 
+def load_adapter_weights(model: Any, path: str | Path) -> None:
+    """Start `model`'s LoRA adapters from a saved adapter (OUT/adapter, or a checkpoint) of the
+    same shape, so one adapter can be trained in several runs and still be a single adapter
+    over the base model (what the GGUF export and llama.cpp's --lora need)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    if not hasattr(model, "peft_config"):
+        raise ValueError("--init-adapter starts LoRA adapters from a saved one: it needs --lora")
+    file = Path(path) / "adapter_model.safetensors"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} holds no LoRA adapter (no adapter_model.safetensors); pass the adapter/ "
+                                "folder of a LoRA run or one of its checkpoints")
+    saved = load_file(str(file))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if "lora_" in n}
+    misfit = (f"the adapter in {path} does not fit this model: use the --lora-rank and --train-layers it was "
+              "trained with")
+    try:
+        result = set_peft_model_state_dict(model, saved)
+    except RuntimeError as exc:  # torch's size mismatch, one line per tensor
+        raise ValueError(misfit) from exc
+    loaded = {n for n in shapes if n not in set(result.missing_keys)}
+    if result.unexpected_keys or len(loaded) != len(shapes):
+        raise ValueError(f"{misfit} ({len(saved)} saved tensors for {len(shapes)} adapter weights here)")
+
+
 def merged(model: Any) -> Any:
     """A plain model with LoRA adapters folded in (a copy; the training model is untouched)."""
     if not hasattr(model, "merge_and_unload"):
