@@ -166,3 +166,22 @@ def test_step_groups_with_chart_starts_begin_in_the_drawn_state(vocab_chat, solu
         assert tuple(first.state) == tuple(int(x) for x in balanced_start(seed, solution))
     with pytest.raises(ValueError, match="--starts chart is for step groups"):
         GroupConfig(starts="chart")
+
+
+def test_first_decision_step_groups_stop_after_the_first_group(vocab_chat, solution):
+    from blackjack_rl.config import GroupConfig
+    from blackjack_rl.deals import play_deal
+    from blackjack_rl.groups import Player
+    from blackjack_rl.policies.bots import OptimalBot
+
+    player = Player(OptimalBot(solution), vocab_chat, solution, EpisodeSettings())
+    counts = {}
+    for decisions in ("all", "first"):
+        config = GroupConfig(group_size=2, group_by="step", starts="chart", decisions=decisions)
+        deals = [asyncio.run(play_deal(player, seed, config)) for seed in range(30)]
+        counts[decisions] = [len(d) for d in deals]
+        assert all(d[0].group.episodes[0].decision == 0 for d in deals)
+    assert max(counts["all"]) > 1  # optimal play hits on about half of these starts
+    assert counts["first"] == [1] * 30
+    with pytest.raises(ValueError, match="--decisions first is for step groups"):
+        GroupConfig(decisions="first")

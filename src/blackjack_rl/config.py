@@ -172,6 +172,11 @@ class GroupConfig(_Section):
         "deal", description="step groups: deal: each deal starts where the cards put it; chart: in a strategy-chart "
                             "state, hit-optimal or stick-optimal with equal chance (exploring starts, for training)")
 
+    decisions: Literal["all", "first"] = Field(
+        "all", description="step groups: all: a group at every decision of a deal; first: at its first decision only "
+                           "(later prompts carry the game's history, which a small model reads as a shortcut: "
+                           "'my second call sticks')")
+
     @model_validator(mode="after")
     def _forced_calls_only_in_counterfactual_step_groups(self) -> "GroupConfig":
         if self.group_size == 0 and not (self.group_by == "step" and self.counterfactual):
@@ -179,6 +184,8 @@ class GroupConfig(_Section):
                              "--counterfactual")
         if self.starts != "deal" and self.group_by != "step":
             raise ValueError("--starts chart is for step groups: use --group-by step")
+        if self.decisions != "all" and self.group_by != "step":
+            raise ValueError("--decisions first is for step groups: use --group-by step")
         return self
 
     @property

@@ -20,7 +20,7 @@ async def play_deal(player: Player, seed: int, config, limiter: asyncio.Semaphor
                                       counterfactual=config.counterfactual,
                                       token_advantages=config.token_advantages,
                                       scale_decisions=config.scale_decisions, format_weight=config.format_weight,
-                                      starts=config.starts)
+                                      starts=config.starts, first_only=config.decisions == "first")
         return deal.groups
     if config.counterfactual:
         raise ValueError("counterfactual groups are step groups: use --group-by step with --counterfactual")

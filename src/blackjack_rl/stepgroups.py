@@ -101,6 +101,7 @@ async def play_step_groups(
     scale_decisions: bool = False,
     format_weight: float = 1.0,
     starts: str = "deal",
+    first_only: bool = False,
 ) -> StepDeal:
     settings, chat, solution = player.settings, player.chat, player.solution
     deal = StepDeal(seed)
@@ -177,6 +178,8 @@ async def play_step_groups(
             dropped = drop_equal_scores and len(set(scores)) == 1 and len(scores) > 1
             deal.groups.append(GroupResult(seed, [], None if dropped else group,
                                            DropReason.EQUAL_SCORES if dropped else None))
+            if first_only:  # the deal's one group; the game is not played on
+                return deal
 
             if group_size == 0:  # the policy's own choice between the two calls, at its temperature
                 pick = FORCED.index(best) if continue_with == "best" else _choose(p_call, turn.seed)
