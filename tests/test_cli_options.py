@@ -189,12 +189,17 @@ def _at(settings, path):
     return settings
 
 
+# Flags whose other values are only valid together with another flag (the models' validators).
+NEEDS = {"--starts": ["--group-by", "step"], "--decisions": ["--group-by", "step"]}
+
+
 @pytest.mark.parametrize("command", WITH_SETTINGS)
 def test_a_flag_value_reaches_the_resolved_settings(command):
     fields = exposed(command)
     parse = API.parse_args if command == "api" else (lambda words: MAIN.parse_args([command, *words]))
     for option in options_of(parser_of(command)):
         words, expected = sample(option, fields[option.paths[0]])
+        words = [*words, *NEEDS.get(option.flag, [])]
         settings = resolve(command, parse(words))
         for path in option.paths:
             assert _at(settings, path) == expected, (command, words, path)
