@@ -213,6 +213,21 @@ def sequence_records(group: Mapping[str, Any]) -> list[EpisodeRecord] | list[Ste
     return [r if isinstance(r, kind) else kind.model_validate(r) for r in raw]
 
 
+def records_or_none(group: Mapping[str, Any]) -> list[SequenceRecord | None]:
+    """One record per sequence; None for each sequence of a group that carries none of ours
+    (another environment posted it, with no `episodes` or with its own kind)."""
+    try:
+        return sequence_records(group) or [None for _ in group["scores"]]
+    except ValueError:  # pydantic's ValidationError: episodes of another kind
+        return [None for _ in group["scores"]]
+
+
+def decision_record(group: Mapping[str, Any]) -> StepRecord | None:
+    """The decision a step group is about (its first record), or None for any other group."""
+    first = records_or_none(group)[0] if group.get("scores") else None
+    return first if isinstance(first, StepRecord) else None
+
+
 # --- samples.jsonl ---------------------------------------------------------------------------
 
 

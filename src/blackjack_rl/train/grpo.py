@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..policies.torch.logprobs import Targets, token_logprobs
-from ..records import StepRecord, sequence_records
+from ..records import decision_record
 from ..tokens import MASKED
 
 
@@ -188,14 +188,7 @@ def action_balance(groups: Sequence[Mapping[str, Any]]) -> list[float]:
     of the states hit-optimal it went to always hitting in 5 steps; with the two classes weighed
     equally, a shared preference earns nothing and the gap between the classes grew instead.
     """
-    optimal: list[str | None] = []
-    for g in groups:
-        try:
-            records = sequence_records(g)
-        except ValueError:  # a group of another environment: not one of our decisions
-            records = None
-        first = records[0] if records else None
-        optimal.append(first.optimal if isinstance(first, StepRecord) else None)
+    optimal = [d.optimal if (d := decision_record(g)) is not None else None for g in groups]
     counts = {a: optimal.count(a) for a in ("hit", "stick")}
     total = counts["hit"] + counts["stick"]
     if not counts["hit"] or not counts["stick"]:

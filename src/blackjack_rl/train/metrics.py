@@ -10,19 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from pydantic import ValidationError
-
 from ..evaluate import rate_ci
-from ..records import EpisodeRecord, Metrics, Outcome, SequenceRecord, Status, StepRecord, sequence_records
-
-
-def _records(group: Mapping[str, Any]) -> list[SequenceRecord | None]:
-    """One record per sequence; None for each sequence of a group that carries none of ours
-    (another environment posted it, with no `episodes` or with its own kind)."""
-    try:
-        return sequence_records(group) or [None for _ in group["scores"]]
-    except ValidationError:
-        return [None for _ in group["scores"]]
+from ..records import EpisodeRecord, Metrics, Outcome, SequenceRecord, Status, StepRecord, decision_record, records_or_none
 
 
 def _sampled(record: SequenceRecord | None) -> bool:
@@ -31,7 +20,7 @@ def _sampled(record: SequenceRecord | None) -> bool:
 
 
 def batch_metrics(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    pairs = [(float(s), r) for g in groups for s, r in zip(g["scores"], _records(g)) if _sampled(r)]
+    pairs = [(float(s), r) for g in groups for s, r in zip(g["scores"], records_or_none(g)) if _sampled(r)]
     scores = [s for s, _ in pairs]
     records = [r for _, r in pairs if r is not None]
     decisions = [d for r in records for d in r.choices]
@@ -44,8 +33,8 @@ def batch_metrics(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     p_hit: dict[str, list[float]] = {"hit": [], "stick": []}
     p_valid = []
     for g in groups:
-        first = _records(g)[0]
-        if not isinstance(first, StepRecord):
+        first = decision_record(g)
+        if first is None:
             continue
         if first.p_call and first.optimal in p_hit:
             p_hit[first.optimal].append(float(first.p_call["hit"]))
