@@ -268,6 +268,10 @@ class TrainConfig(_Section):
     steps: int = Field(50, ge=1, description="optimizer steps")
     deals_per_step: int = Field(4, ge=1, description="local: deals played per step (one group each, or one per decision)")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    warmup_steps: int = Field(0, ge=0, le=100_000, description="raise the learning rate linearly over the first N steps "
+                                                            "(a fresh Adam's first steps are full-size in every "
+                                                            "parameter; warm-up keeps them small while it learns "
+                                                            "the gradients' sizes)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2: how long it remembers gradient sizes "
                                                              "(0.9: ~10 steps; lower it when one credit fades and "

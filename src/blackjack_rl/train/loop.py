@@ -152,6 +152,11 @@ def optimize(
     return stats
 
 
+def learning_rate(step: int, lr: float, warmup_steps: int) -> float:
+    """The learning rate of optimizer step `step` (1-based): linear warm-up, then constant."""
+    return lr * min(1.0, step / warmup_steps) if warmup_steps else lr
+
+
 def evaluate_policy(player: Player, settings: Settings, step: int, out: Path) -> dict[str, Any]:
     """The fixed evaluation deals, played by the current weights, with `evaluate`'s metrics."""
     t0 = time.perf_counter()
@@ -386,6 +391,9 @@ def run_training(
                 spent = policy.sampling_seconds - seconds0
                 row["sampled_tokens"] = sampled
                 row["sample_tokens_per_s"] = sampled / spent if spent > 0 else None
+                for param_group in optimizer.param_groups:
+                    param_group["lr"] = learning_rate(step, t.lr, t.warmup_steps)
+                row["lr"] = optimizer.param_groups[0]["lr"]
                 row.update(optimize(model, optimizer, params, groups, loss_config, settings, reference,
                                     first_layer, policy.states))
                 policy.states.clear()
