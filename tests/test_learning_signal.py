@@ -115,25 +115,6 @@ def test_all_action_credit_is_the_exact_expected_gradient():
     assert adv[1] * 0.75 - adv[2] * 0.25 == pytest.approx(0.25 * 0.75 * 0.3)
 
 
-def test_the_format_credit_of_forced_calls_leaves_the_decision_alone():
-    """Both forced calls earn the format's credit, weighted by the policy's probability of each,
-    so their action words' net push on the hit/stick logit is the decision's gradient alone."""
-    from blackjack_rl.credit import validity_advantages
-
-    q = (-0.2, 0.1)
-    forced = [AnswerCredit(True, HIT, forced=True), AnswerCredit(True, STICK, forced=True)]
-    for p_hit, p_valid in ((0.94, 0.3), (0.5, 0.99), (0.1, 0.6)):
-        p = {1: p_hit, 0: 1 - p_hit}
-        fmt = validity_advantages(forced, -1.0, 0.0, p_valid=p_valid, p_call=p)
-        dec = decision_advantages(forced, q, p)
-        hit, stick = fmt[0] + dec[0], fmt[1] + dec[1]
-        # d log p(hit)/dz = 1 - p, d log p(stick)/dz = -p (z: the hit/stick logit difference)
-        assert hit * (1 - p_hit) - stick * p_hit == pytest.approx(p_hit * (1 - p_hit) * 0.3)
-        # and the format's credit itself: the policy's expected validity credit, split by the calls
-        assert fmt[0] + fmt[1] == pytest.approx(1 - p_valid)
-        assert fmt[0] / fmt[1] == pytest.approx(p_hit / (1 - p_hit))
-
-
 def test_scaled_decisions_weigh_every_state_the_same_and_the_format_has_its_own_weight(vocab_chat, solution):
     from blackjack_rl.credit import DECISION_SCALE_FLOOR, validity_advantages
 

@@ -474,3 +474,66 @@ def test_a_run_started_from_a_saved_adapter_continues_that_adapter(tiny_model_di
     plain = run_cli("train", *no_lora, "--init-adapter", str(tmp_path / "one" / "adapter"),
                     "--out", str(tmp_path / "four"), cwd=tmp_path)
     assert plain.returncode != 0 and "needs --lora" in plain.stderr and "Traceback" not in plain.stderr
+
+
+def test_a_fresh_adapter_over_a_saved_one_is_saved_as_one_exact_adapter(tiny_model_dir, tmp_path):
+    """--base-adapter: the saved adapter is folded in (the second run starts where the first
+    ended), a fresh one trains over it, and what is saved is both as one adapter over the base
+    model: a third run over that stack starts exactly where the second ended."""
+    common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "0", "--group-by",
+              "step", "--counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "1",
+              "--threads", "1", "--lr", "1e-2", "--lora", "--lora-rank", "4"]
+
+    def grid_rows(path):
+        rows = [json.loads(x) for x in (path / "train_log.jsonl").read_text().splitlines()]
+        return [[p for row in r["grid_p_hit"] for p in row] for r in rows if "grid_p_hit" in r]
+
+    first = run_cli("train", *common, "--steps", "1", "--out", str(tmp_path / "one"), cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = run_cli("train", *common, "--steps", "2", "--save-every", "1", "--seed", "1", "--base-adapter",
+                     str(tmp_path / "one" / "adapter"), "--out", str(tmp_path / "two"), cwd=tmp_path)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert grid_rows(tmp_path / "two")[0] == pytest.approx(grid_rows(tmp_path / "one")[-1], abs=1e-5)
+    assert grid_rows(tmp_path / "two")[-1] != pytest.approx(grid_rows(tmp_path / "two")[0], abs=1e-5)
+    stack = json.loads((tmp_path / "two" / "adapter" / "adapter_config.json").read_text())
+    assert stack["r"] == 8 and stack["lora_alpha"] == 8.0
+    assert not (tmp_path / "two" / "adapter" / ".fresh").exists()
+
+    third = run_cli("train", *common, "--steps", "1", "--lora-rank", "2", "--base-adapter",
+                    str(tmp_path / "two" / "adapter"), "--out", str(tmp_path / "three"), cwd=tmp_path)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert grid_rows(tmp_path / "three")[0] == pytest.approx(grid_rows(tmp_path / "two")[-1], abs=1e-5)
+
+    checkpoint = str(tmp_path / "two" / "checkpoints" / "step_0001")
+    resumed = run_cli("train", *common, "--steps", "2", "--base-adapter", str(tmp_path / "one" / "adapter"),
+                      "--resume", checkpoint, "--out", str(tmp_path / "resumed"), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    for wrong in (["--resume", checkpoint], ["--init-adapter", str(tmp_path / "one" / "adapter"), "--base-adapter",
+                                             str(tmp_path / "one" / "adapter")]):
+        bad = run_cli("train", *common, "--steps", "2", *wrong, "--out", str(tmp_path / "bad"), cwd=tmp_path)
+        assert bad.returncode != 0 and "--base-adapter" in bad.stderr and "Traceback" not in bad.stderr
+    no_lora = [c for c in common if c != "--lora"]
+    plain = run_cli("train", *no_lora, "--steps", "1", "--base-adapter", str(tmp_path / "one" / "adapter"),
+                    "--out", str(tmp_path / "four"), cwd=tmp_path)
+    assert plain.returncode != 0 and "needs --lora" in plain.stderr and "Traceback" not in plain.stderr
+
+
+def test_stacked_lora_weights_sum_the_parts_exactly():
+    from blackjack_rl.policies.torch.lora_stack import stacked_config, stacked_weights
+
+    torch.manual_seed(0)
+    q, v = "base_model.model.model.layers.1.self_attn.q_proj", "base_model.model.model.layers.1.self_attn.v_proj"
+    one = {f"{q}.lora_A.weight": torch.randn(4, 8), f"{q}.lora_B.weight": torch.randn(6, 4),
+           f"{v}.lora_A.weight": torch.randn(4, 8), f"{v}.lora_B.weight": torch.randn(3, 4)}
+    two = {f"{q}.lora_A.weight": torch.randn(2, 8), f"{q}.lora_B.weight": torch.randn(6, 2)}
+    out = stacked_weights([(one, 0.5), (two, 3.0)])
+    for module, parts in ((q, [(one, 0.5), (two, 3.0)]), (v, [(one, 0.5)])):
+        want = sum(s * w[f"{module}.lora_B.weight"] @ w[f"{module}.lora_A.weight"] for w, s in parts)
+        got = out[f"{module}.lora_B.weight"] @ out[f"{module}.lora_A.weight"]
+        assert out[f"{module}.lora_A.weight"].shape[0] == 6  # every module has the summed rank
+        assert torch.allclose(got, want, atol=1e-5)
+    config = stacked_config([{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                              "layers_to_transform": [1]},
+                             {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "layers_to_transform": [1, 2]}])
+    assert config["r"] == 6 and config["lora_alpha"] == 6.0
+    assert config["target_modules"] == ["q_proj", "v_proj"] and config["layers_to_transform"] == [1, 2]

@@ -300,6 +300,10 @@ class TrainConfig(_Section):
     init_adapter: Path | None = Field(None, description="LoRA: start the adapters from this saved adapter (OUT/adapter "
                                                        "or a checkpoint of an earlier run), with a fresh optimizer",
                                       json_schema_extra={"metavar": "DIR"})
+    base_adapter: Path | None = Field(None, description="LoRA: fold this saved adapter into the weights and train a "
+                                                       "fresh one over it; checkpoints and the final adapter hold "
+                                                       "both, as one adapter of the summed rank over the base model",
+                                      json_schema_extra={"metavar": "DIR"})
     max_minutes: float | None = Field(None, gt=0, description="stop after this many minutes of training (charts and "
                                                               "evaluations not counted), then evaluate and save")
     api_url: str = Field("http://127.0.0.1:8000", description="api: the trajectory API")

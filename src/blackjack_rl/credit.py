@@ -17,9 +17,12 @@ shape of `tokens`):
   the two words against every other word without favouring either. (Measured: with the
   decision credit alone on that position, every other token of the call was learned to
   probability ~1 while P(hit or stick) at the action position fell from 0.5 to 0.06.)
-  A forced call's validity credit is weighted by the policy's own probability of that call
-  (see `validity_advantages`): the same credit on both words would push their probabilities
-  toward each other, a pull toward hitting half the time in every hand;
+  Equal credit on the two words also pulls their probabilities toward each other (the
+  gradient of log p(hit) + log p(stick) on the hit/stick logit is p(stick) - p(hit)). That
+  pull is kept on purpose: weighting each forced call's format credit by the policy's
+  probability of it instead, the shared preference ran away to P(hit) 0.9998 in every hand
+  by step 10 of format training (0.76 with equal credit; docs/training/), where the decision's
+  gradient, p(1 - p), vanishes;
 - every token of an invalid answer carries its validity credit: it made no decision.
 
 In counterfactual groups the two valid calls are added, forced, to every group, and their
@@ -92,8 +95,7 @@ def action_token_indices(ids: Sequence[int], text_span: tuple[int, int] | None,
 
 
 def validity_advantages(answers: Sequence[AnswerCredit], invalid_score: float, format_bonus: float,
-                        weight: float = 1.0, p_valid: float | None = None,
-                        p_call: dict[int, float] | None = None) -> list[float]:
+                        weight: float = 1.0, p_valid: float | None = None) -> list[float]:
     """Each answer's validity score minus the mean over the *sampled* answers.
 
     A forced call is a valid answer the policy could have given; measured against what it
@@ -105,14 +107,6 @@ def validity_advantages(answers: Sequence[AnswerCredit], invalid_score: float, f
     A group of forced calls alone (nothing sampled) measures them against the policy's exact
     expected validity score instead, from `p_valid`, its probability of writing one of the
     two calls exactly (a lower bound on its validity: other spellings may parse too).
-
-    With `p_call` (the policy's probabilities of the two calls, as in `decision_advantages`)
-    each forced call's credit is weighted by its probability, the expectation over which call
-    the policy would write. Equal credit on both would raise log p(hit) + log p(stick), whose
-    gradient on the hit/stick logit is p(stick) - p(hit): a pull toward the less likely call in
-    every state, which a batch balanced between the two classes does not cancel. Weighted,
-    the two calls' format credit moves the probability of writing a call and leaves the
-    policy's choice between them to the decision's credit alone.
     """
     scores = [format_bonus if a.valid else invalid_score for a in answers]
     sampled = [s for s, a in zip(scores, answers) if not a.forced]
@@ -122,8 +116,7 @@ def validity_advantages(answers: Sequence[AnswerCredit], invalid_score: float, f
         mean = p_valid * format_bonus + (1.0 - p_valid) * invalid_score
     else:
         mean = format_bonus
-    return [weight * (s - mean) * (p_call[a.action] if p_call and a.forced and a.action is not None else 1.0)
-            for s, a in zip(scores, answers)]
+    return [weight * (s - mean) for s in scores]
 
 
 def call_probabilities(logprob_hit: float, logprob_stick: float) -> dict[int, float]:

@@ -241,7 +241,7 @@ async def _forced_replies(player: Player, prompt: list[int]) -> tuple[list[Reply
 def _advantages(sequences, replies, credits, q, p_call, settings, chat, scale_decisions=False,
                 format_weight=1.0, p_valid=None) -> list[list[float]]:
     """Per-token advantages of a step group's sequences (shared prompt: 0; answer: credit.py)."""
-    fmt = validity_advantages(credits, settings.invalid_score, settings.format_bonus, format_weight, p_valid, p_call)
+    fmt = validity_advantages(credits, settings.invalid_score, settings.format_bonus, format_weight, p_valid)
     dec = decision_advantages(credits, q, p_call, scale_decisions)
     out = []
     for seq, reply, credit, f, d in zip(sequences, replies, credits, fmt, dec):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import json
 import shlex
 import time
@@ -32,6 +33,7 @@ from ..probe import probe_policy
 from ..protocol import STICK, tool_call_text
 from ..policies.torch.forward import causal_lm
 from ..policies.torch.logprobs import token_logprobs
+from ..policies.torch.lora_stack import adapter_files, fold_adapter, save_lora
 from ..policies.torch.model import add_lora, export_model, load_adapter_weights, save_adapter
 from ..policies.torch.policy import TorchPolicy
 from .grpo import LossConfig, action_balance, carries_signal, group_loss, merge_groups, scalar_advantages, weighted
@@ -171,11 +173,13 @@ def evaluate_policy(player: Player, settings: Settings, step: int, out: Path) ->
     return {"kind": "eval", "step": step, "summary": eval_summary(metrics), "seconds": metrics.seconds}
 
 
-def checkpoint(model: Any, policy: TorchPolicy, path: Path, state: dict[str, Any] | None = None) -> None:
-    """The model (LoRA: the adapter only), and with `state` what resuming needs: the trained
-    parameters, the optimizer, the step, and the random states of the deal stream and torch."""
+def checkpoint(model: Any, policy: TorchPolicy, path: Path, state: dict[str, Any] | None = None,
+               over: Path | None = None) -> None:
+    """The model (LoRA: the adapter only, stacked `over` a --base-adapter), and with `state` what
+    resuming needs: the trained parameters, the optimizer, the step, and the random states of the
+    deal stream and torch."""
     if hasattr(model, "peft_config"):
-        model.save_pretrained(str(path))  # the adapter; the base is the --model-path the run started from
+        save_lora(model, path, over)  # the adapter; the base is the --model-path the run started from
         policy.tokenizer.tok.save_pretrained(str(path))
     else:
         export_model(model, policy.tokenizer, path)
@@ -184,6 +188,13 @@ def checkpoint(model: Any, policy: TorchPolicy, path: Path, state: dict[str, Any
         tmp = path / "trainer_state.pt.tmp"
         torch.save({**state, "parameters": trained}, tmp)
         tmp.replace(path / "trainer_state.pt")
+
+
+def _adapter_id(path: Path | None) -> str | None:
+    """What a run trained over, by content: a copied adapter folder still resumes."""
+    if path is None:
+        return None
+    return hashlib.sha256(adapter_files(path)[0].read_bytes()).hexdigest()[:16]
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
@@ -283,6 +294,14 @@ def run_training(
     (out / "settings.json").write_text(settings.model_dump_json(indent=2) + "\n", encoding="utf-8")
     torch.manual_seed(settings.seed)
 
+    if t.base_adapter is not None:
+        if not t.lora:
+            raise ValueError("--base-adapter trains a fresh LoRA adapter over a saved one: it needs --lora")
+        if t.init_adapter is not None:
+            raise ValueError("use one of --base-adapter (a fresh adapter over a saved one) and --init-adapter "
+                             "(continue a saved adapter)")
+        policy.model = fold_adapter(policy.model, t.base_adapter)
+        progress(f"a fresh LoRA adapter trains over {t.base_adapter}")
     model = make_trainable(policy.model, settings)
     if t.init_adapter is not None:
         load_adapter_weights(model, t.init_adapter)
@@ -320,6 +339,9 @@ def run_training(
     start = 1
     if t.resume is not None:
         state = load_trainer_state(t.resume)
+        if state.get("base_adapter") != _adapter_id(t.base_adapter):
+            raise ValueError(f"{t.resume} was trained over another --base-adapter (or none): resume with the "
+                             "--base-adapter it was trained over")
         named = dict(model.named_parameters())
         with torch.no_grad():
             for name, value in state["parameters"].items():
@@ -340,6 +362,7 @@ def run_training(
             "optimizer": optimizer.state_dict(),
             "deals": source.get_state() if isinstance(source, LocalSource) else None,
             "torch_rng": torch.get_rng_state(),
+            "base_adapter": _adapter_id(t.base_adapter),
         }
 
     result = TrainResult(out, start - 1)
@@ -412,7 +435,8 @@ def run_training(
                 last = step == t.steps
                 out_of_time = t.max_minutes is not None and row["elapsed"] > 60 * t.max_minutes
                 if t.save_every and step % t.save_every == 0:
-                    checkpoint(model, policy, out / "checkpoints" / f"step_{step:04d}", trainer_state(step))
+                    checkpoint(model, policy, out / "checkpoints" / f"step_{step:04d}", trainer_state(step),
+                               t.base_adapter)
                 if out_of_time:
                     result.stopped = "time"
                     progress(f"stopping after {row['elapsed'] / 60:.1f} min (--max-minutes {t.max_minutes})")
@@ -425,7 +449,8 @@ def run_training(
             source.close()
         evaluate(result.steps)
     if hasattr(model, "peft_config"):  # first: the small file a run is kept for
-        result.adapter_dir = save_adapter(model, policy.tokenizer, out / "adapter", settings.policy.model_path)
+        result.adapter_dir = save_adapter(model, policy.tokenizer, out / "adapter", settings.policy.model_path,
+                                          t.base_adapter)
     result.model_dir = export_model(model, policy.tokenizer, out / "model")
     result.plot = plot_log(
         log_path,

@@ -20,6 +20,7 @@ import torch
 
 from ...tokens import HFTokenizer, embedded_model_path
 from .forward import causal_lm, check_architecture
+from .lora_stack import adapter_files, save_lora
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +127,13 @@ def load_adapter(path: Path) -> tuple[Any, HFTokenizer]:
     return model, tokenizer
 
 
-def save_adapter(model: Any, tokenizer: HFTokenizer, out_dir: str | Path, base: str | None) -> Path:
-    """The LoRA adapter alone (a few MB), loadable by `--policy hf --model-path OUT_DIR`."""
+def save_adapter(model: Any, tokenizer: HFTokenizer, out_dir: str | Path, base: str | None,
+                 over: str | Path | None = None) -> Path:
+    """The LoRA adapter alone (a few MB), loadable by `--policy hf --model-path OUT_DIR`; with
+    `over`, stacked on the adapter it was trained over (`lora_stack`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
+    save_lora(model, out, over)
     (out / "base_model.txt").write_text((base or "") + "\n", encoding="utf-8")
     return out
 
@@ -199,10 +202,7 @@ def load_adapter_weights(model: Any, path: str | Path) -> None:
 
     if not hasattr(model, "peft_config"):
         raise ValueError("--init-adapter starts LoRA adapters from a saved one: it needs --lora")
-    file = Path(path) / "adapter_model.safetensors"
-    if not file.is_file():
-        raise FileNotFoundError(f"{path} holds no LoRA adapter (no adapter_model.safetensors); pass the adapter/ "
-                                "folder of a LoRA run or one of its checkpoints")
+    file, _ = adapter_files(path)
     saved = load_file(str(file))
     adapters = {n for n, _ in model.named_parameters() if "lora_" in n}
     misfit = (f"the adapter in {path} does not fit this model: use the --lora-rank and --train-layers it was "
