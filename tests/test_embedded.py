@@ -89,3 +89,51 @@ def test_a_small_group_on_the_embedded_model(embedded, solution):
     prompt_len = min(m.index(next(x for x in m if x != MASKED)) for m in g.masks)
     assert len({tuple(t[:prompt_len]) for t in g.tokens}) == 1
     assert all(len(t) <= 1024 for t in g.tokens)
+
+
+def _turn(ids, seed):
+    from blackjack_rl.policies.base import Turn
+
+    return Turn(messages=[], prompt_ids=ids, observation=None, natural=False, seed=seed)
+
+
+def test_batched_sampling_gives_the_ids_and_logprobs_of_one_at_a_time(embedded):
+    """More prompts than sequences decode together, of different deals and lengths (a later turn
+    included): each answer is bit-for-bit the one the single-context path samples for its seed,
+    and the decodes did hold several sequences at once."""
+    prompts = [_prompt(embedded, Observation(5 + 3 * i % 17, 1 + i % 10, i % 4 == 0)) for i in range(embedded.parallel + 3)]
+    prompts[1] = prompts[1] + embedded.tokenizer.encode("<tool_call>") + prompts[2][-5:]
+    seeds = [1000 + 7 * i for i in range(len(prompts))]
+    alone = [embedded.generate(p, s) for p, s in zip(prompts, seeds)]
+
+    rows: list[int] = []
+
+    async def together():
+        return await asyncio.gather(*(embedded.respond(_turn(p, s)) for p, s in zip(prompts, seeds)))
+
+    first = asyncio.run(together())  # makes the batch context
+    batcher_decode = embedded._batcher._decode
+
+    def counting(items, every_row=False):
+        if every_row:
+            rows.append(len(items))
+        return batcher_decode(items, every_row)
+
+    embedded._batcher._decode = counting
+    try:
+        again = asyncio.run(together())  # a warm cache: prefixes reused, streams copied
+    finally:
+        embedded._batcher._decode = batcher_decode
+    for a, b, c in zip(alone, first, again):
+        assert b.completion_ids == a.completion_ids and c.completion_ids == a.completion_ids
+        assert b.logprobs == a.logprobs and c.logprobs == a.logprobs
+        assert b.text == a.text and b.finish_reason == a.finish_reason
+    assert max(rows) == embedded.parallel  # every sequence decoded in one step
+    assert len(rows) < sum(len(r.completion_ids) for r in alone) / 2
+
+
+def test_batched_sampling_refuses_a_prompt_longer_than_the_context(embedded):
+    from blackjack_rl.policies.base import InferenceError
+
+    with pytest.raises(InferenceError, match="exceeds the context"):
+        asyncio.run(embedded.respond(_turn([1] * 1024, 0)))

@@ -7,6 +7,8 @@ the model read and sampled, with the model's logprob of each sampled id.
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import numpy as np
 from ..protocol import ACTION_NAMES, tool_call_text
 from ..tokens import ChatFormat, LlamaCppTokenizer, common_prefix_length, embedded_model_path
 from .base import InferenceError, Reply, Turn
+from .llama_batch import BatchDecoder, Job, log_softmax_at
 from .sampling import Sampling
 from .threads import ThreadChooser, usable_cpus
 
@@ -24,14 +27,17 @@ from .threads import ThreadChooser, usable_cpus
 # constraining changes the distribution the answers were sampled from.
 VALID_ANSWERS = tuple(tool_call_text(action) for action in ACTION_NAMES)
 _CANDIDATES = 64  # constrained sampling looks at the model's top tokens only (plus a fallback)
+PARALLEL = 8  # sequences decoded together by the free-sampling path (see llama_batch.py)
 
 
 class EmbeddedPolicy:
-    """One llama.cpp context, shared by every concurrent episode of a worker.
+    """One llama.cpp model, shared by every concurrent episode of a worker.
 
-    llama.cpp keeps one KV cache, so requests run one at a time on a single worker
-    thread (the event loop stays free for progress and I/O); since the episodes of a
-    group share their prompt, the cache reuses that prefix between requests.
+    llama.cpp runs on a single worker thread (the event loop stays free for progress and
+    I/O). Free sampling decodes up to `parallel` answers together, each in its own KV stream
+    (llama_batch.py), with the same ids and logprobs as one at a time; scoring and
+    constrained sampling use one context, one request at a time. Either way a cache keeps
+    what a prompt shares with earlier ones (the system prompt, a group's deal).
     """
 
     def __init__(
@@ -43,6 +49,7 @@ class EmbeddedPolicy:
         n_threads: int | None = None,
         constrained: bool = False,
         lora_path: str | Path | None = None,
+        parallel: int = PARALLEL,
     ) -> None:
         from llama_cpp import Llama
 
@@ -67,13 +74,24 @@ class EmbeddedPolicy:
         self.chat = ChatFormat.learn(self.tokenizer)
         self._pieces: dict[int, str] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")
+        self.parallel = parallel
+        self._batcher: BatchDecoder | None = None  # made on first use: its KV cache is `parallel` contexts' worth
+        self._queue: deque[Job] = deque()
+        self._queue_lock = threading.Lock()
+        self._draining = False
         import llama_cpp
 
         vocab = self.llama._model.vocab
         self._is_end = lambda tok: bool(llama_cpp.llama_vocab_is_eog(vocab, tok))
         # Unless told how many, no more threads than free cores (see threads.py), revisited as load changes.
-        self._threads = None if n_threads else ThreadChooser(
-            lambda n: llama_cpp.llama_set_n_threads(self.llama.ctx, n, n))
+        self._threads = None if n_threads else ThreadChooser(self._set_threads)
+
+    def _set_threads(self, n: int) -> None:
+        import llama_cpp
+
+        llama_cpp.llama_set_n_threads(self.llama.ctx, n, n)
+        if self._batcher is not None:
+            self._batcher.set_threads(n)
 
     def generation_params(self) -> dict[str, Any]:
         return {
@@ -91,9 +109,52 @@ class EmbeddedPolicy:
 
     async def respond(self, turn: Turn) -> Reply:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, self.generate, list(turn.prompt_ids), turn.seed)
+        if self.constrained or self.parallel <= 1:
+            return await loop.run_in_executor(self._worker, self.generate, list(turn.prompt_ids), turn.seed)
+        prompt = list(turn.prompt_ids)
+        self._check_prompt(prompt)
+        future: asyncio.Future[Reply] = loop.create_future()
 
-    def generate(self, prompt_ids: list[int], seed: int) -> Reply:
+        def settle(result: Reply | BaseException) -> None:
+            if future.done():  # the episode was cancelled meanwhile
+                return
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+        job = Job(prompt, turn.seed, lambda result: loop.call_soon_threadsafe(settle, result))
+        with self._queue_lock:
+            self._queue.append(job)
+            start, self._draining = not self._draining, True
+        if start:
+            self._worker.submit(self._drain)
+        return await future
+
+    def _take(self, n: int) -> list[Job]:
+        if n and self._threads is not None:
+            self._threads.check()
+        with self._queue_lock:
+            return [self._queue.popleft() for _ in range(min(n, len(self._queue)))]
+
+    def _drain(self) -> None:
+        """On the worker thread: decode queued prompts together until none is left."""
+        try:
+            if self._batcher is None:
+                self._batcher = BatchDecoder(
+                    self.llama, slots=self.parallel, sampling=self.sampling, max_tokens=self.max_tokens,
+                    is_end=self._is_end, decode_text=self.tokenizer.decode)
+            self._batcher.run(self._take)
+        except BaseException as exc:  # noqa: BLE001 - no queued episode may wait forever
+            for job in self._take(len(self._queue)):
+                job.done(exc if isinstance(exc, InferenceError) else InferenceError(f"llama.cpp failed: {exc!r}"))
+        finally:
+            with self._queue_lock:
+                again = self._draining = bool(self._queue)
+            if again:
+                self._worker.submit(self._drain)
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise InferenceError("empty prompt")
         if len(prompt_ids) + self.max_tokens > self.llama.n_ctx():
@@ -101,6 +162,10 @@ class EmbeddedPolicy:
                 f"prompt of {len(prompt_ids)} tokens + {self.max_tokens} new tokens exceeds the "
                 f"context of {self.llama.n_ctx()}; raise n_ctx or lower max_token_length"
             )
+
+    def generate(self, prompt_ids: list[int], seed: int) -> Reply:
+        """One answer on the single context (constrained, or when batching is off)."""
+        self._check_prompt(prompt_ids)
         if self._threads is not None:
             self._threads.check()
         try:
@@ -168,7 +233,7 @@ class EmbeddedPolicy:
                 self._truncate(base + shared)
                 feed(answer[shared:-1])
                 logits = np.asarray(llama.scores[base - 1 : base - 1 + len(answer)], dtype=np.float64)
-                out.append(_log_softmax_at(logits / temperature, answer))
+                out.append(log_softmax_at(logits / temperature, answer))
             return out
         except InferenceError:
             raise
@@ -207,7 +272,7 @@ class EmbeddedPolicy:
                 break
         start = len(prompt_ids) - 1
         logits = np.asarray(llama.scores[start : start + len(ids)], dtype=np.float64)
-        logprobs = _log_softmax_at(logits, ids)
+        logprobs = log_softmax_at(logits, ids)
         answer = ids[:-1] if finish == "stop" else ids
         return Reply(
             text=self.tokenizer.decode(answer),
@@ -289,6 +354,8 @@ class EmbeddedPolicy:
 
     async def aclose(self) -> None:
         self._worker.shutdown(wait=True)
+        if self._batcher is not None:
+            self._batcher.close()
         self.llama.close()
 
 
@@ -316,9 +383,3 @@ def _common_prefix(cached: np.ndarray, ids: list[int]) -> int:
         return 0
     diff = np.flatnonzero(cached[:n] != np.asarray(ids[:n]))
     return int(diff[0]) if diff.size else n
-
-
-def _log_softmax_at(logits: np.ndarray, ids: list[int]) -> list[float]:
-    peak = logits.max(axis=1, keepdims=True)
-    log_norm = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
-    return (logits[np.arange(len(ids)), ids] - log_norm).tolist()

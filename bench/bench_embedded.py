@@ -1,0 +1,117 @@
+"""The main job on the embedded model, against a baseline run side by side, and its token rates
+against raw llama.cpp.
+
+Run alone on the machine (llama.cpp's numbers mean nothing beside other CPU work):
+
+    python bench/bench_embedded.py [--deals 100] [--baseline REV] [--prompts 24]
+
+1. `blackjack-rl evaluate --episodes N` (the README's first command, the whole process) with the
+   working tree and with this project at `--baseline` (bench/baseline.py), one after the other;
+   both must report the same mean reward and invalid rate (same seeds, same answers).
+2. Prefill and decode tokens/s on the opening prompts of the first `--prompts` deals:
+   - raw llama.cpp: `Llama.eval` of each whole prompt from an empty cache, then `Llama.generate`
+     of the same number of tokens the policy sampled, one sequence at a time;
+   - ours: the policy answering all prompts at once (shared prefixes reused, sequences decoded
+     together), as the main job does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import baseline  # noqa: E402
+from baseline import load  # noqa: E402
+
+# The last commit before the embedded policy decoded several sequences at once.
+DEFAULT_REV = "ee2b82a"
+
+
+def main_job(src: Path | None, deals: int, out: Path) -> tuple[float, dict]:
+    cmd = [sys.executable, "-m", "blackjack_rl.cli", "evaluate", "--episodes", str(deals), "--out", str(out)]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, env=baseline.cli_env(src), check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    return wall, json.loads((out / "metrics.json").read_text())
+
+
+def token_rates(n_prompts: int) -> None:
+    from blackjack_rl.episode import opening_messages
+    from blackjack_rl.game import Rules, Table
+    from blackjack_rl.policies.base import Turn
+    from blackjack_rl.policies.embedded import EmbeddedPolicy
+    from blackjack_rl.policies.sampling import Sampling
+    from blackjack_rl.policies.threads import usable_cpus
+
+    policy = EmbeddedPolicy(sampling=Sampling(temperature=1.0), n_ctx=1024, n_threads=usable_cpus())
+    table = Table(Rules())
+    prompts = [policy.chat.prompt_ids(opening_messages(table.reset(seed))) for seed in range(n_prompts)]
+
+    async def ours():
+        return await asyncio.gather(*(policy.respond(Turn([], p, None, False, seed)) for seed, p in enumerate(prompts)))
+
+    t0 = time.perf_counter()
+    replies = asyncio.run(ours())
+    wall_ours = time.perf_counter() - t0
+    sampled = [len(r.completion_ids) for r in replies]
+
+    llama = policy.llama
+    t0 = time.perf_counter()
+    for p in prompts:
+        llama.reset()
+        llama.eval(p)
+    prefill_s = time.perf_counter() - t0
+    decode_s = 0.0
+    for seed, (p, k) in enumerate(zip(prompts, sampled)):
+        llama.reset()
+        llama.eval(p[:-1])
+        llama.set_seed(seed)
+        t0 = time.perf_counter()
+        for i, _ in enumerate(llama.generate(p, temp=1.0, top_p=1.0, top_k=0, min_p=0.0)):
+            if i + 1 >= k:
+                break
+        decode_s += time.perf_counter() - t0
+    n_prompt, n_new = sum(map(len, prompts)), sum(sampled)
+    print(f"\n[tokens/s] {n_prompts} opening prompts ({n_prompt} prompt tokens), {n_new} sampled tokens | {load()}")
+    print(f"  raw llama.cpp, one sequence at a time: prefill {n_prompt / prefill_s:7.0f} tok/s   "
+          f"decode {n_new / decode_s:6.0f} tok/s   together {prefill_s + decode_s:6.2f} s")
+    print(f"  ours (prefix reuse, {policy.parallel} sequences a decode): {wall_ours:6.2f} s for both, "
+          f"{n_new / wall_ours:6.0f} sampled tok/s   x{(prefill_s + decode_s) / wall_ours:.2f} raw's time")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--deals", type=int, default=100)
+    parser.add_argument("--baseline", default=DEFAULT_REV, help="the commit to compare against")
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--skip-job", action="store_true", help="only the token rates")
+    args = parser.parse_args(argv)
+    if not args.skip_job:
+        old = baseline.unpack(args.baseline)
+        baseline.check_source(old)
+        baseline.check_source(None)
+        work = Path(tempfile.mkdtemp(prefix="bench-embedded-"))
+        results = {}
+        for name, src in (("ours", None), (f"baseline {args.baseline}", old)):
+            print(f"[main job] {name}: evaluate --episodes {args.deals} ... ({load()})", flush=True)
+            results[name] = main_job(src, args.deals, work / name.replace(" ", "-"))
+            wall, m = results[name]
+            print(f"  {wall:6.1f} s   mean reward {m['mean_reward']['mean']:+.4f}   "
+                  f"invalid {m['invalid']['rate']:.3f}", flush=True)
+        (w_ours, m_ours), (w_base, m_base) = results.values()
+        same = m_ours["mean_reward"] == m_base["mean_reward"] and m_ours["invalid"] == m_base["invalid"]
+        print(f"  baseline / ours: x{w_base / w_ours:.2f}   same results: {'yes' if same else 'NO'}")
+    token_rates(args.prompts)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
