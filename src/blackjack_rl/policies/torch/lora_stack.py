@@ -5,7 +5,9 @@ trained adapter are aligned with what it learned, and a fresh Adam steps every p
 learning rate whatever its gradient's size. Measured on SmolLM2-135M (docs/training/): continuing
 the format-trained adapter, the shared hit/stick preference swung from P(hit) 0.94 to 0.29 in three
 steps, in every hand together. A fresh adapter (B = 0) over the folded weights starts where the
-old one ended and moves the way the decision-only experiment did.
+old one ended and, at lr 1e-3 after a warm-up, learned the decision faster than the continued one
+at lr 3e-4; it still swung first (0.86 -> 0.17 -> 0.69), and so did SGD, so the swing comes from
+the gradient itself, not from the old factors (docs/training/README.md, the stacked-adapter run).
 
 Why save one adapter: llama.cpp's `--lora`, the GGUF export and `--policy hf --model-path ADAPTER`
 all take a single adapter over the base model. Two LoRA updates of the same weight add, and
