@@ -142,7 +142,7 @@ class EmbeddedPolicy:
         try:
             if self._batcher is None:
                 self._batcher = BatchDecoder(
-                    self.llama, slots=self.parallel, sampling=self.sampling, max_tokens=self.max_tokens,
+                    self.llama, slots=self.parallel, sampling=self.sampling,
                     is_end=self._is_end, decode_text=self.tokenizer.decode)
             self._batcher.run(self._take)
         except BaseException as exc:  # noqa: BLE001 - no queued episode may wait forever

@@ -36,7 +36,6 @@ class Job:
     prompt: list[int]
     seed: int
     done: Callable[[Reply | BaseException], None]
-    slot: int = -1
     pos: int = 0
     feed: int = 0  # the token the next decode step puts into the sequence
     sampler: Any = None
@@ -51,22 +50,20 @@ class BatchDecoder:
     built from (it borrows that object's sampler factory).
     """
 
-    def __init__(self, llama: Any, *, slots: int, sampling: Sampling, max_tokens: int,
+    def __init__(self, llama: Any, *, slots: int, sampling: Sampling,
                  is_end: Callable[[int], bool], decode_text: Callable[[list[int]], str]) -> None:
         import llama_cpp
 
-        self._lib, self.llama, self.slots = llama_cpp, llama, slots
-        self.sampling, self.max_tokens = sampling, max_tokens
+        self._lib, self.llama, self.slots, self.sampling = llama_cpp, llama, slots, sampling
         self._is_end, self._decode_text = is_end, decode_text
-        self.n_ctx = llama.n_ctx()  # per sequence, as for the single context
         self._n_batch = llama.n_batch
         params = type(llama.context_params).from_buffer_copy(llama.context_params)
-        params.n_ctx = self.n_ctx * slots
+        params.n_ctx = llama.n_ctx() * slots  # each sequence gets the single context's length
         params.n_seq_max = slots
         params.kv_unified = False
         self.ctx = llama_cpp.llama_init_from_model(llama._model.model, params)
         if not self.ctx:
-            raise InferenceError(f"llama.cpp could not make a context for {slots} sequences of {self.n_ctx} tokens")
+            raise InferenceError(f"llama.cpp could not make a context for {slots} sequences of {llama.n_ctx()} tokens")
         if llama._lora_adapter is not None:
             adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(llama._lora_adapter)
             if llama_cpp.llama_set_adapters_lora(self.ctx, adapters, 1, (ctypes.c_float * 1)(llama.lora_scale)):
@@ -106,13 +103,14 @@ class BatchDecoder:
         """Give the job a stream whose cache shares the most of its prompt, and prefill the rest
         (all but the last token, which the next step decodes with the others)."""
         target = job.prompt[:-1]
-        slot = max(free, key=lambda s: common_prefix_length((self._cached[s], target)))
-        keep = common_prefix_length((self._cached[slot], target))
-        source = max(range(self.slots), key=lambda s: common_prefix_length((self._cached[s], target)))
-        if common_prefix_length((self._cached[source], target)) >= keep + _COPY_GAIN:
+        shared = [common_prefix_length((cached, target)) for cached in self._cached]
+        slot = max(free, key=shared.__getitem__)
+        source = max(range(self.slots), key=shared.__getitem__)
+        keep = shared[slot]
+        if shared[source] >= keep + _COPY_GAIN:
             self._lib.llama_memory_seq_cp(self._mem, source, slot, -1, -1)  # the whole stream, copied as is
             self._cached[slot] = list(self._cached[source])
-            keep = common_prefix_length((self._cached[slot], target))
+            keep = shared[source]
         free.remove(slot)
         if not self._lib.llama_memory_seq_rm(self._mem, slot, keep, -1):
             raise InferenceError("llama.cpp could not trim a sequence of its KV cache")
@@ -121,7 +119,7 @@ class BatchDecoder:
             chunk = target[start : start + self._n_batch]
             self._decode([(slot, start + i, tok) for i, tok in enumerate(chunk)])
             self._cached[slot].extend(chunk)
-        job.slot, job.pos, job.feed = slot, len(target), job.prompt[-1]
+        job.pos, job.feed = len(target), job.prompt[-1]
         self.llama.set_seed(job.seed & 0x7FFFFFFF)
         s = self.sampling
         job.sampler = self.llama._init_sampler(
@@ -139,9 +137,10 @@ class BatchDecoder:
             logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self.ctx, row), shape=(self._n_vocab,))
             job.logprobs.append(log_softmax_at(logits[None, :].astype(np.float64), [tok])[0])
             job.ids.append(tok)
-            if self._is_end(tok) or len(job.ids) >= self.max_tokens:
+            end = self._is_end(tok)
+            if end or len(job.ids) >= self.sampling.max_tokens:
                 del active[slot]
-                self._finish(job, "stop" if self._is_end(tok) else "length")
+                self._finish(job, "stop" if end else "length")
             else:
                 job.feed = tok
 
