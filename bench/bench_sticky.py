@@ -58,7 +58,7 @@ class LlamaServer:
         self.log = log
         with open(log, "wb") as fh:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+                [sys.executable, "-m", "blackjack_rl.policies.llama_server", "--model", str(gguf), "--host", "127.0.0.1",
                  "--port", str(self.port), "--n_ctx", "2048", "--n_threads", "1", "--verbose", "True",
                  "--cache", str(cache), "--model_alias", "smollm2"],
                 stdout=fh, stderr=subprocess.STDOUT,

@@ -56,7 +56,7 @@ def llama_server(gguf_path):
     """llama-cpp-python's real OpenAI-compatible server on the embedded GGUF, model alias `smollm2`."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/v1"
-    args = ["-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
+    args = ["-m", "blackjack_rl.policies.llama_server", "--model", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
             "--n_ctx", "2048", "--verbose", "False", "--model_alias", "smollm2"]
     with running_server(args, f"{url}/models", "llama_cpp.server"):
         yield url

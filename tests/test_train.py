@@ -24,7 +24,7 @@ from blackjack_rl.protocol import HIT, tool_call_text  # noqa: E402
 from blackjack_rl.solver import solve  # noqa: E402
 from blackjack_rl.tokens import MASKED, ChatFormat, HFTokenizer, trained_spans  # noqa: E402
 from blackjack_rl.policies.torch.forward import RowCache, forward_rows, run_prefix  # noqa: E402
-from blackjack_rl.policies.torch.logprobs import token_logprobs  # noqa: E402
+from blackjack_rl.policies.torch.logprobs import Targets, pack_rows, token_logprobs  # noqa: E402
 from blackjack_rl.train.grpo import LossConfig, group_advantages, trained_targets  # noqa: E402
 from blackjack_rl.train.loop import make_trainable, optimize  # noqa: E402
 from blackjack_rl.policies.torch.model import build_hf_tokenizer, load_model  # noqa: E402
@@ -88,6 +88,48 @@ def test_shared_prefix_forward_equals_the_models_own(tiny_model_dir):
         n = len(s) - p
         torch.testing.assert_close(logits[i, :n], reference[i], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(cached[i, :n], reference[i], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("first_layer", [0, 1])
+def test_packed_rows_give_each_sequences_own_logprobs_and_gradients(tiny_model_dir, first_layer):
+    """Siblings that share a start beyond the common prefix run as one row (the shared start
+    once); every logprob and every gradient must still be that of the sequence run alone."""
+    model, _ = load_model(tiny_model_dir)
+    p = 3
+    seqs = [
+        [5, 6, 7, 8, 9, 10, 11, 12, 13],  # the head of a row
+        [5, 6, 7, 8, 9, 10, 11, 40, 41],  # leaves it late: joins its row
+        [5, 6, 7, 8, 9, 10],  # a prefix of it: adds nothing
+        [5, 6, 7, 8, 9, 10, 11, 12, 13],  # a duplicate
+        [5, 6, 7, 30, 31, 32, 33],  # shares only the common prefix: its own row
+    ]
+    positions = [(r, j) for r, s in enumerate(seqs) for j in range(p + 1, len(s))]
+    targets = Targets(
+        rows=torch.tensor([r for r, _ in positions]), positions=torch.tensor([j for _, j in positions]),
+        tokens=torch.tensor([seqs[r][j] for r, j in positions]), old_logprobs=None,
+    )
+    packed = pack_rows(seqs, [len(s) for s in seqs], p)
+    assert packed.ids.shape[0] == 2  # three sequences joined the first row's
+    params = [q for q in model.parameters()]
+    temperature = 0.7
+    model.zero_grad()
+    reference = []
+    for r, j in positions:
+        logits = model(torch.tensor([seqs[r][:j]])).logits[0, -1].float() / temperature
+        reference.append(torch.log_softmax(logits, dim=-1)[seqs[r][j]])
+    reference = torch.stack(reference)
+    reference.sum().backward()
+    expected = [q.grad.clone() for q in params]
+    model.zero_grad()
+    got = token_logprobs(model, seqs, targets, temperature, first_layer=first_layer)
+    got.sum().backward()
+    torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
+    core = model.model
+    # with the layers below `first_layer` frozen, the layers above and the final norm carry gradients
+    above = params if first_layer == 0 else [*core.layers[first_layer:].parameters(), *core.norm.parameters()]
+    for q, g in zip(params, expected):
+        if any(q is a for a in above):
+            torch.testing.assert_close(q.grad, g, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("group_by", ["step", "episode"])
@@ -346,6 +388,13 @@ def test_groups_trained_together_take_the_same_step_as_one_by_one(tiny_model_dir
     assert len(merge_groups(work, max_rows=3)) == 2  # 6 sequences, 3 per forward
     assert len(alone) == len(together) > 0
     for a, b in zip(alone, together):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # without a KL term, tokens of zero advantage are left out: fewer trained tokens, the same step
+    lean = merge_groups(work, max_rows=3, drop_zero=True)
+    trained = [sum(m != MASKED for g in merged for row in g["masks"] for m in row)
+               for merged in (merge_groups(work, 3), lean)]
+    assert trained[1] < trained[0]
+    for a, b in zip(alone, grads([(g, None) for g in lean])):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 

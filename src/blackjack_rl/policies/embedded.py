@@ -19,6 +19,7 @@ from ..protocol import ACTION_NAMES, tool_call_text
 from ..tokens import ChatFormat, LlamaCppTokenizer, common_prefix_length, embedded_model_path
 from .base import InferenceError, Reply, Turn
 from .llama_batch import BatchDecoder, Job, log_softmax_at
+from .llama_load import load_llama
 from .sampling import Sampling
 from .threads import ThreadChooser, usable_cpus
 
@@ -51,15 +52,13 @@ class EmbeddedPolicy:
         lora_path: str | Path | None = None,
         parallel: int = PARALLEL,
     ) -> None:
-        from llama_cpp import Llama
-
         self.model_path = Path(model_path) if model_path else embedded_model_path()
         if not self.model_path.is_file():
             raise FileNotFoundError(f"no GGUF model at {self.model_path}")
         self.sampling = sampling
         self.temperature, self.max_tokens = sampling.temperature, sampling.max_tokens
         self.constrained = constrained
-        self.llama = Llama(
+        self.llama = load_llama(
             model_path=str(self.model_path),
             n_ctx=n_ctx,
             n_threads=n_threads or usable_cpus(),

@@ -143,25 +143,36 @@ def scalar_advantages(group: Mapping[str, Any], scale: bool) -> list[float] | No
     return group_advantages(group["scores"], scale)
 
 
-def merge_groups(work: Sequence[tuple[Mapping[str, Any], list[float] | None]], max_rows: int) -> list[dict[str, Any]]:
+def merge_groups(work: Sequence[tuple[Mapping[str, Any], list[float] | None]], max_rows: int,
+                 *, drop_zero: bool = False) -> list[dict[str, Any]]:
     """The sequences of many groups as a few large ones, each with per-token advantages.
 
     A sequence's loss depends on its own group only through its advantages, so once those
     are computed the groups can be trained together: one forward per `max_rows` sequences,
     and the prompt every sequence shares (the system prompt and tool schema, ~370 tokens)
-    runs once for all of them instead of once per group. Sequences are sorted by length so
-    that rows of one forward pad little. Groups with and without sampling logprobs are kept
-    apart (an importance ratio needs them for every sequence of a forward).
+    runs once for all of them instead of once per group. Sequences are sorted by content, so
+    that siblings (the answers of one prompt, a decision's two calls) share a forward and run
+    their common start once (`logprobs.pack_rows`). Groups with and without sampling logprobs
+    are kept apart (an importance ratio needs them for every sequence of a forward).
+
+    `drop_zero` (no KL term): a token whose advantage is 0 has a zero gradient whatever its
+    ratio, so it is not trained, and neither is the part of a sequence after its last trained
+    token. With the format unweighted (`--format-weight 0`), a decision's two calls are then
+    trained up to their action word only, which they share up to: one row for the pair.
     """
     rows: dict[bool, list[tuple[list[int], list[int], list[float] | None, list[float]]]] = {True: [], False: []}
     for group, adv in work:
         inference = group.get("inference_logprobs") or None
         for r, (seq, mask) in enumerate(zip(group["tokens"], group["masks"])):
             per_token = list(group["advantages"][r]) if adv is None else [adv[r]] * len(seq)
+            if drop_zero:
+                mask = [m if a != 0.0 else MASKED for m, a in zip(mask, per_token)]
+                if all(m == MASKED for m in mask):
+                    continue
             rows[inference is not None].append((seq, mask, inference[r] if inference else None, per_token))
     merged = []
     for has_logprobs, items in rows.items():
-        items.sort(key=lambda item: len(item[0]))
+        items.sort(key=lambda item: item[0])
         for i in range(0, len(items), max(1, max_rows)):
             chunk = items[i : i + max_rows]
             group = {"tokens": [c[0] for c in chunk], "masks": [c[1] for c in chunk],

@@ -123,7 +123,7 @@ def optimize(
     # The whole batch, groups without signal included: a batch whose only signal is one
     # invalid answer then makes a small step, not a full-size one.
     sequences = sum(len(g["tokens"]) for g in groups)
-    merged = merge_groups(work, settings.train.max_train_rows)
+    merged = merge_groups(work, settings.train.max_train_rows, drop_zero=loss_config.kl_coef == 0)
     processed = 0
     for _ in range(settings.train.updates_per_batch):
         optimizer.zero_grad(set_to_none=True)

@@ -129,6 +129,7 @@ def forward_rows(
     *,
     layers: tuple[int, int | None] = (0, None),
     record_layer: int | None = None,
+    attend: torch.Tensor | None = None,
 ) -> RowsOutput:
     """Run `ids` [rows, S] (token ids, or hidden states [rows, S, hidden] entering
     `layers[0]`) at `positions` [rows, S] through decoder layers `layers` (start, stop).
@@ -137,6 +138,10 @@ def forward_rows(
     then the new ones, causally) that are marked valid; padding (`key_valid` False) is seen
     by nobody but itself, which keeps its own output finite. With a cache, the new keys and
     values are written into it (the cache spans every layer).
+
+    `attend` [rows, S, S] (no cache) replaces the causal order within a row: which of the row's
+    tokens each token sees. Several sequences that share a start then run as one row, the
+    start once and each one's own tokens after it (see `logprobs.pack_rows`).
     """
     lm = causal_lm(model)
     core = lm.model
@@ -150,8 +155,13 @@ def forward_rows(
         seen = cache.valid[:, : start + s]
     else:
         seen = key_valid
-    causal = torch.ones(s, start + s, dtype=torch.bool).tril(start)
-    mask = causal[None] & seen[:, None, :]
+    if attend is not None:
+        if cache is not None:
+            raise ValueError("`attend` orders a row's own tokens; it cannot be combined with a cache")
+        mask = attend & seen[:, None, :]
+    else:
+        causal = torch.ones(s, start + s, dtype=torch.bool).tril(start)
+        mask = causal[None] & seen[:, None, :]
     diag = torch.arange(s)
     mask[:, diag, start + diag] = True
     out = RowsOutput(h)

@@ -11,6 +11,8 @@ import torch
 from ...tokens import common_prefix_length
 from .forward import causal_lm, forward_rows, run_prefix
 
+MAX_BRANCHES = 32  # sequences packed into one row: its attention mask grows with the square of its width
+
 
 @dataclass
 class Targets:
@@ -20,6 +22,96 @@ class Targets:
     positions: torch.Tensor
     tokens: torch.Tensor
     old_logprobs: torch.Tensor | None  # None when the group carries none usable
+
+
+@dataclass
+class Packed:
+    """Sequences laid out as fewer rows, each row one sequence's tokens followed by the tokens
+    of others that share its start, from where they part (their shared start runs once).
+
+    `ids`, `positions`, `valid`, `attend`: the rows as `forward_rows` takes them. `where[r]`
+    gives, for sequence r, its row and a map from a position to its column: columns of the
+    row's first sequence below `split`, its own columns from `offset` on.
+    """
+
+    ids: torch.Tensor  # [rows, width]
+    positions: torch.Tensor  # [rows, width]
+    valid: torch.Tensor  # [rows, width]
+    attend: torch.Tensor  # [rows, width, width]
+    where: list[tuple[int, int, int, int]]  # per sequence: (row, split, offset, start position of its own part)
+    spans: list[list[tuple[int, int, int]]]  # per row: (sequence, first position, last position + 1) of each part
+
+    def column(self, seq: int, position: int) -> tuple[int, int]:
+        """(row, column) holding the state of `seq` at `position`."""
+        row, split, offset, start = self.where[seq]
+        if position < split:
+            return row, position - self.spans[row][0][1]
+        return row, offset + position - start
+
+    def unpack(self, hidden: torch.Tensor, seq: int) -> torch.Tensor:
+        """The states of `seq` alone, from the packed rows' `hidden` [rows, width, ...]."""
+        row, split, offset, start = self.where[seq]
+        head, p, _ = self.spans[row][0]
+        end = next(e for r, _, e in self.spans[row] if r == seq)
+        own = hidden[row, offset : offset + end - start] if split < end else hidden[row, :0]
+        return torch.cat([hidden[row, : min(split, end) - p], own]) if seq != head else hidden[row, : end - p]
+
+
+def pack_rows(tokens: Sequence[Sequence[int]], inputs: Sequence[int], p: int) -> Packed:
+    """Lay out `tokens[r][p:inputs[r]]` so that what sequences share beyond `p` runs once.
+
+    Why: the rows of a training forward are mostly siblings, the answers of one prompt (a step
+    group's answers after the conversation so far, or a decision's hit and stick calls, which
+    differ from the action word on). Causal attention makes a token's state depend only on the
+    tokens before it, so where sequences agree their states are equal: each row holds one
+    sequence, then the other sequences' own tokens from where they leave it, each seeing the
+    shared start and itself only. The states, logprobs and gradients are those of separate rows;
+    the work is that of the tokens that differ.
+    """
+    n = len(tokens)
+    order = sorted(range(n), key=lambda r: tuple(tokens[r][p : inputs[r]]))
+    groups: list[list[tuple[int, int]]] = []  # per row: (sequence, where it leaves the row's first)
+    for r in order:
+        if groups and len(groups[-1]) < MAX_BRANCHES:
+            head = groups[-1][0][0]
+            shared = p + common_prefix_length([tokens[head][p : inputs[head]], tokens[r][p : inputs[r]]])
+            # only where it saves at least the tokens it adds to the row (unrelated sequences
+            # share a few tokens of chat markup, and a wide row costs attention for all)
+            if shared - p >= inputs[r] - shared:
+                groups[-1].append((r, shared))
+                continue
+        groups.append([(r, inputs[r])])
+    widths = [sum(inputs[r] - split for r, split in g[1:]) + inputs[g[0][0]] - p for g in groups]
+    width = max(widths)
+    rows = len(groups)
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    positions = torch.zeros(rows, width, dtype=torch.long)
+    valid = torch.zeros(rows, width, dtype=torch.bool)
+    attend = torch.zeros(rows, width, width, dtype=torch.bool)
+    where: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * n
+    spans: list[list[tuple[int, int, int]]] = []
+    for i, g in enumerate(groups):
+        head = g[0][0]
+        m = inputs[head] - p
+        ids[i, :m] = torch.tensor(list(tokens[head][p : inputs[head]]))
+        positions[i, :m] = torch.arange(p, inputs[head])
+        attend[i, :m, :m] = torch.ones(m, m, dtype=torch.bool).tril()
+        where[head] = (i, inputs[head], 0, p)
+        row_spans = [(head, p, inputs[head])]
+        at = m
+        for r, split in g[1:]:
+            k = inputs[r] - split
+            if k:
+                ids[i, at : at + k] = torch.tensor(list(tokens[r][split : inputs[r]]))
+                positions[i, at : at + k] = torch.arange(split, inputs[r])
+                attend[i, at : at + k, : split - p] = True  # the start it shares with the row's first
+                attend[i, at : at + k, at : at + k] = torch.ones(k, k, dtype=torch.bool).tril()
+            where[r] = (i, split, at, split)
+            row_spans.append((r, split, inputs[r]))
+            at += k
+        valid[i, :at] = True
+        spans.append(row_spans)
+    return Packed(ids, positions, valid, attend, where, spans)
 
 
 def token_logprobs(
@@ -33,9 +125,10 @@ def token_logprobs(
 ) -> torch.Tensor:
     """log p(token | everything before it) at every trained position, one forward for the group.
 
-    The prefix shared by all sequences (up to the first trained position) runs once. With
-    `first_layer` > 0 the layers below it are frozen: they run without gradients, or not at
-    all when every sequence's states were recorded at sampling time (`states`).
+    The prefix shared by all sequences (up to the first trained position) runs once, and what
+    fewer of them share runs once too (`pack_rows`). With `first_layer` > 0 the layers below it
+    are frozen: they run without gradients, or not at all when every sequence's states were
+    recorded at sampling time (`states`).
     """
     rows = len(tokens)
     first = int(targets.positions.min())
@@ -43,38 +136,38 @@ def token_logprobs(
     inputs = [p + 1] * rows  # positions 0 .. inputs-1 are read; the hidden state at j - 1 predicts token j
     for r, j in zip(targets.rows.tolist(), targets.positions.tolist()):
         inputs[r] = max(inputs[r], j)
-    width = max(inputs) - p
-    ids = torch.zeros(rows, width, dtype=torch.long)
-    for i, t in enumerate(tokens):
-        ids[i, : inputs[i] - p] = torch.tensor(list(t[p : inputs[i]]))
-    valid = torch.arange(width)[None] < (torch.tensor(inputs) - p)[:, None]
-    positions = p + torch.arange(width)[None].expand(rows, -1)
+    packed = pack_rows(tokens, inputs, p)
     if first_layer == 0:
         prefix = run_prefix(model, list(tokens[0][:p])) if p > 0 else None
-        x: torch.Tensor = ids
+        x: torch.Tensor = packed.ids
     else:
-        prefix_states, x = _trunk(model, tokens, inputs, ids, positions, valid, p, first_layer, states)
+        prefix_states, x = _trunk(model, tokens, inputs, packed, p, first_layer, states)
         prefix = run_prefix(model, prefix_states, layers=(first_layer, None)) if p > 0 else None
-    hidden = forward_rows(model, x, positions, valid, prefix, layers=(first_layer, None)).hidden
-    picked = hidden[targets.rows, targets.positions - 1 - p]
+    hidden = forward_rows(model, x, packed.positions, packed.valid, prefix, layers=(first_layer, None),
+                          attend=packed.attend).hidden
+    cells = [packed.column(r, j - 1) for r, j in zip(targets.rows.tolist(), targets.positions.tolist())]
+    picked = hidden[torch.tensor([c[0] for c in cells]), torch.tensor([c[1] for c in cells])]
     logits = causal_lm(model).lm_head(picked).float()
     if temperature > 0:
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(1, targets.tokens[:, None])[:, 0]
 
 
-def _trunk(model, tokens, inputs, ids, positions, valid, p, first_layer, states):
+def _trunk(model, tokens, inputs, packed: Packed, p, first_layer, states):
     """Hidden states entering `first_layer`: [P, hidden] for the prefix, [rows, width, hidden] for the rest."""
     found = [_lookup(states, t, n) for t, n in zip(tokens, inputs)] if states else [None]
     if all(f is not None for f in found):
-        width = ids.shape[1]
-        x = torch.zeros(len(tokens), width, found[0].shape[-1], dtype=found[0].dtype)
-        for i, f in enumerate(found):
-            x[i, : inputs[i] - p] = f[p : inputs[i]]
+        x = torch.zeros(*packed.ids.shape, found[0].shape[-1], dtype=found[0].dtype)
+        for i, row_spans in enumerate(packed.spans):
+            at = 0
+            for r, start, end in row_spans:
+                x[i, at : at + end - start] = found[r][start:end]
+                at += end - start
         return found[0][:p], x
     with torch.no_grad():
         trunk = run_prefix(model, list(tokens[0][:p]), layers=(0, first_layer)) if p > 0 else None
-        x = forward_rows(model, ids, positions, valid, trunk, layers=(0, first_layer)).hidden
+        x = forward_rows(model, packed.ids, packed.positions, packed.valid, trunk, layers=(0, first_layer),
+                         attend=packed.attend).hidden
     return (trunk.output[0] if trunk is not None else x[0, :0]), x
 
 

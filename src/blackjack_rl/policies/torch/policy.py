@@ -221,25 +221,21 @@ class TorchPolicy:
         nothing trains, so scoring the same prompts again (the strategy chart at every step)
         runs only the trained layers."""
         from .forward import forward_rows, run_prefix
+        from .logprobs import pack_rows
 
         if len(self._trunk_cache) > _TRUNK_CACHE_MAX:  # the chart's 560 sequences stay; one-off prompts go
             self._trunk_cache.clear()
-        todo = [seq for seq in tokens if tuple(seq) not in self._trunk_cache]
+        todo = list({tuple(seq): list(seq) for seq in tokens if tuple(seq) not in self._trunk_cache}.values())
         if todo:
             # at least one state per row is computed below (a lone sequence would otherwise be all prefix)
             p = max(0, min(common_prefix_length(todo), min(len(x) for x in todo) - 2))
-            widths = [len(x) - 1 - p for x in todo]  # the states predicting every token but the first
-            width = max(widths)
-            ids = torch.zeros(len(todo), width, dtype=torch.long)
-            for i, x in enumerate(todo):
-                ids[i, : widths[i]] = torch.tensor(x[p : len(x) - 1])
-            valid = torch.arange(width)[None] < torch.tensor(widths)[:, None]
-            positions = p + torch.arange(width)[None].expand(len(todo), -1)
+            packed = pack_rows(todo, [len(x) - 1 for x in todo], p)  # the states predicting every token but the first
             trunk = run_prefix(self.model, list(todo[0][:p]), layers=(0, self.frozen_below)) if p > 0 else None
-            x = forward_rows(self.model, ids, positions, valid, trunk, layers=(0, self.frozen_below)).hidden
+            x = forward_rows(self.model, packed.ids, packed.positions, packed.valid, trunk,
+                             layers=(0, self.frozen_below), attend=packed.attend).hidden
             head = trunk.output[0] if trunk is not None else x[0, :0]
             for i, seq in enumerate(todo):
-                self._trunk_cache[tuple(seq)] = torch.cat([head, x[i, : widths[i]]])
+                self._trunk_cache[tuple(seq)] = torch.cat([head, packed.unpack(x, i)])
         return {tuple(seq): self._trunk_cache[tuple(seq)] for seq in tokens}
 
     async def aclose(self) -> None:
