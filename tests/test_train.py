@@ -132,6 +132,16 @@ def test_packed_rows_give_each_sequences_own_logprobs_and_gradients(tiny_model_d
             torch.testing.assert_close(q.grad, g, atol=1e-5, rtol=1e-4)
 
 
+def test_packing_is_skipped_where_one_wide_row_would_pad_many_narrow_ones():
+    family = [[*range(10, 40), 200 + i, 300 + i] for i in range(20)]  # 30 shared tokens, 2 of their own
+    loners = [[1000 + i, 7, 8] for i in range(40)]
+    seqs = family + loners
+    packed = pack_rows(seqs, [len(s) for s in seqs], 0)
+    assert packed.ids.shape[0] == len(seqs)  # 41 rows of 70 would be more work than 60 of 32
+    alone = pack_rows(family, [len(s) for s in family], 0)
+    assert alone.ids.shape[0] == 1  # by themselves the siblings share one row
+
+
 @pytest.mark.parametrize("group_by", ["step", "episode"])
 def test_sampled_logprobs_are_what_training_computes(tiny_policy, solution, group_by):
     player = Player(tiny_policy, tiny_policy.chat, solution, EpisodeSettings())

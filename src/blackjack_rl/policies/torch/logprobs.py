@@ -82,6 +82,10 @@ def pack_rows(tokens: Sequence[Sequence[int]], inputs: Sequence[int], p: int) ->
                 continue
         groups.append([(r, inputs[r])])
     widths = [sum(inputs[r] - split for r, split in g[1:]) + inputs[g[0][0]] - p for g in groups]
+    if len(groups) * max(widths) >= n * (max(inputs) - p):
+        # every row is padded to the widest: one wide row among narrow ones can cost more than it saves
+        groups = [[(r, inputs[r])] for r in order]
+        widths = [inputs[r] - p for r in order]
     width = max(widths)
     rows = len(groups)
     ids = torch.zeros(rows, width, dtype=torch.long)
