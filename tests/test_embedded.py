@@ -137,3 +137,19 @@ def test_batched_sampling_refuses_a_prompt_longer_than_the_context(embedded):
 
     with pytest.raises(InferenceError, match="exceeds the context"):
         asyncio.run(embedded.respond(_turn([1] * 1024, 0)))
+
+
+def test_models_load_without_amx_or_repacked_weight_buffers(gguf_path):
+    """ggml's AMX matmul segfaults on some AMX machines (llama.cpp #20824): the weights must land in plain
+    CPU buffers. llama.cpp reports where each weight buffer went on stderr, read here from a subprocess."""
+    import subprocess
+    import sys
+
+    code = ("from blackjack_rl.policies.llama_load import load_llama; import llama_cpp, llama_cpp.llama as h; "
+            f"load_llama(model_path={str(gguf_path)!r}, n_ctx=256, verbose=True); "
+            "assert h.llama_cpp.llama_model_default_params is llama_cpp.llama_cpp.llama_model_default_params; "
+            "assert llama_cpp.llama_model_default_params().use_extra_bufts")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    buffers = [line for line in run.stderr.splitlines() if "model buffer size" in line]
+    assert buffers and all("CPU_Mapped" in line or " CPU " in line for line in buffers), buffers

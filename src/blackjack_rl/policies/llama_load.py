@@ -3,9 +3,10 @@
 Why: on CPUs with AMX (Intel Sapphire Rapids and later) ggml moves quantized weights into AMX
 buffers, and its AMX matrix multiply segfaults on some such machines and VMs at the first
 decode (llama.cpp issue 20824, closed unfixed; a build made on the machine itself enables AMX).
-Plain buffers cost nothing for the embedded Q4_1 model, whose weights have no other repacked
-form on x86. `Llama` has no argument for this, so its default model parameters are swapped
-while it loads; that touches llama-cpp-python's module layout, which is why it is pinned.
+Plain buffers keep ggml's ordinary CPU kernels, the ones every number in this project was
+measured with (ggml has no repacked x86 kernels for Q4_1, the embedded model's weights).
+`Llama` has no argument for this, so its default model parameters are swapped while it
+loads; that touches llama-cpp-python's module layout, which is why it is pinned.
 """
 
 from __future__ import annotations
