@@ -90,8 +90,8 @@ def test_shared_prefix_forward_equals_the_models_own(tiny_model_dir):
         torch.testing.assert_close(cached[i, :n], reference[i], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("first_layer", [0, 1])
-def test_packed_rows_give_each_sequences_own_logprobs_and_gradients(tiny_model_dir, first_layer):
+@pytest.mark.parametrize(("first_layer", "recorded"), [(0, False), (1, False), (1, True)])
+def test_packed_rows_give_each_sequences_own_logprobs_and_gradients(tiny_model_dir, first_layer, recorded):
     """Siblings that share a start beyond the common prefix run as one row (the shared start
     once); every logprob and every gradient must still be that of the sequence run alone."""
     model, _ = load_model(tiny_model_dir)
@@ -121,7 +121,12 @@ def test_packed_rows_give_each_sequences_own_logprobs_and_gradients(tiny_model_d
     reference.sum().backward()
     expected = [q.grad.clone() for q in params]
     model.zero_grad()
-    got = token_logprobs(model, seqs, targets, temperature, first_layer=first_layer)
+    states = None
+    if recorded:  # the frozen trunk's states as sampling records them, one sequence at a time
+        with torch.no_grad():
+            states = {tuple(q): model(torch.tensor([q]), output_hidden_states=True).hidden_states[first_layer][0]
+                      for q in seqs}
+    got = token_logprobs(model, seqs, targets, temperature, first_layer=first_layer, states=states)
     got.sum().backward()
     torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
     core = model.model

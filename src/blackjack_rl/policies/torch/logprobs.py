@@ -29,32 +29,28 @@ class Packed:
     """Sequences laid out as fewer rows, each row one sequence's tokens followed by the tokens
     of others that share its start, from where they part (their shared start runs once).
 
-    `ids`, `positions`, `valid`, `attend`: the rows as `forward_rows` takes them. `where[r]`
-    gives, for sequence r, its row and a map from a position to its column: columns of the
-    row's first sequence below `split`, its own columns from `offset` on.
+    `ids`, `positions`, `valid`, `attend`: the rows as `forward_rows` takes them, from position
+    `start` on. `where[r]` = (row, split, offset, end) for sequence r: its positions below `split`
+    are the columns of the row's first sequence, the rest (up to `end`) its own columns from
+    `offset` on. The row's first sequence has offset 0 and split = end.
     """
 
     ids: torch.Tensor  # [rows, width]
     positions: torch.Tensor  # [rows, width]
     valid: torch.Tensor  # [rows, width]
     attend: torch.Tensor  # [rows, width, width]
-    where: list[tuple[int, int, int, int]]  # per sequence: (row, split, offset, start position of its own part)
-    spans: list[list[tuple[int, int, int]]]  # per row: (sequence, first position, last position + 1) of each part
+    start: int
+    where: list[tuple[int, int, int, int]]
 
     def column(self, seq: int, position: int) -> tuple[int, int]:
         """(row, column) holding the state of `seq` at `position`."""
-        row, split, offset, start = self.where[seq]
-        if position < split:
-            return row, position - self.spans[row][0][1]
-        return row, offset + position - start
+        row, split, offset, _ = self.where[seq]
+        return row, (position - self.start if position < split else offset + position - split)
 
     def unpack(self, hidden: torch.Tensor, seq: int) -> torch.Tensor:
         """The states of `seq` alone, from the packed rows' `hidden` [rows, width, ...]."""
-        row, split, offset, start = self.where[seq]
-        head, p, _ = self.spans[row][0]
-        end = next(e for r, _, e in self.spans[row] if r == seq)
-        own = hidden[row, offset : offset + end - start] if split < end else hidden[row, :0]
-        return torch.cat([hidden[row, : min(split, end) - p], own]) if seq != head else hidden[row, : end - p]
+        row, split, offset, end = self.where[seq]
+        return torch.cat([hidden[row, : split - self.start], hidden[row, offset : offset + end - split]])
 
 
 def pack_rows(tokens: Sequence[Sequence[int]], inputs: Sequence[int], p: int) -> Packed:
@@ -93,15 +89,13 @@ def pack_rows(tokens: Sequence[Sequence[int]], inputs: Sequence[int], p: int) ->
     valid = torch.zeros(rows, width, dtype=torch.bool)
     attend = torch.zeros(rows, width, width, dtype=torch.bool)
     where: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * n
-    spans: list[list[tuple[int, int, int]]] = []
     for i, g in enumerate(groups):
         head = g[0][0]
         m = inputs[head] - p
         ids[i, :m] = torch.tensor(list(tokens[head][p : inputs[head]]))
         positions[i, :m] = torch.arange(p, inputs[head])
         attend[i, :m, :m] = torch.ones(m, m, dtype=torch.bool).tril()
-        where[head] = (i, inputs[head], 0, p)
-        row_spans = [(head, p, inputs[head])]
+        where[head] = (i, inputs[head], 0, inputs[head])
         at = m
         for r, split in g[1:]:
             k = inputs[r] - split
@@ -110,12 +104,10 @@ def pack_rows(tokens: Sequence[Sequence[int]], inputs: Sequence[int], p: int) ->
                 positions[i, at : at + k] = torch.arange(split, inputs[r])
                 attend[i, at : at + k, : split - p] = True  # the start it shares with the row's first
                 attend[i, at : at + k, at : at + k] = torch.ones(k, k, dtype=torch.bool).tril()
-            where[r] = (i, split, at, split)
-            row_spans.append((r, split, inputs[r]))
+            where[r] = (i, split, at, inputs[r])
             at += k
         valid[i, :at] = True
-        spans.append(row_spans)
-    return Packed(ids, positions, valid, attend, where, spans)
+    return Packed(ids, positions, valid, attend, p, where)
 
 
 def token_logprobs(
@@ -162,11 +154,10 @@ def _trunk(model, tokens, inputs, packed: Packed, p, first_layer, states):
     found = [_lookup(states, t, n) for t, n in zip(tokens, inputs)] if states else [None]
     if all(f is not None for f in found):
         x = torch.zeros(*packed.ids.shape, found[0].shape[-1], dtype=found[0].dtype)
-        for i, row_spans in enumerate(packed.spans):
-            at = 0
-            for r, start, end in row_spans:
-                x[i, at : at + end - start] = found[r][start:end]
-                at += end - start
+        for f, (row, split, offset, end) in zip(found, packed.where):
+            if offset == 0:  # a row's first sequence: the start it shares with the others
+                x[row, : split - p] = f[p:split]
+            x[row, offset : offset + end - split] = f[split:end]
         return found[0][:p], x
     with torch.no_grad():
         trunk = run_prefix(model, list(tokens[0][:p]), layers=(0, first_layer)) if p > 0 else None
