@@ -76,6 +76,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -108,8 +114,9 @@ def start_server(kind: str, workdir: Path, args: argparse.Namespace) -> Server:
         env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
         env.pop("BLACKJACK_RL_API_TOKEN", None)
         cmd = [sys.executable, "-m", "blackjack_rl.api", "--port", str(port), "--db", str(db),
-               "--max-queued-sequences", str(10**9), "--log-level", "warning", "--sync", args.sync,
-               "--ingest-workers", str(args.ingest_workers)]
+               "--max-queued-sequences", str(10**9), "--log-level", "warning", "--sync", args.sync]
+        if args.ingest_workers is not None:
+            cmd += ["--ingest-workers", str(args.ingest_workers)]
     else:
         env["PYTHONPATH"] = os.pathsep.join([str(args.atropos_path), env.get("PYTHONPATH", "")])
         cmd = [sys.executable, "-m", "uvicorn", "atroposlib.api.server:app", "--port", str(port),
@@ -249,9 +256,10 @@ def throughput(kind: str, workdir: Path, bodies: list[bytes], args: argparse.Nam
         asyncio.run(post_many(server.url, bodies, args.warmup, args.concurrency, kind))
         drainer = Drainer(server)
         drainer.start()
-        t0 = time.perf_counter()
+        t0, cpu0, own0 = time.perf_counter(), cpu_s(server.proc.pid), time.process_time()
         latencies = asyncio.run(post_many(server.url, bodies, args.posts, args.concurrency, kind))
         elapsed = time.perf_counter() - t0
+        server_cpu, client_cpu = cpu_s(server.proc.pid) - cpu0, time.process_time() - own0
         drainer.stop.set()
         drainer.join(timeout=30)
         return {
@@ -260,6 +268,8 @@ def throughput(kind: str, workdir: Path, bodies: list[bytes], args: argparse.Nam
             "p99_ms": pct(latencies, 0.99) * 1e3,
             "drained_groups_per_s": drainer.batches * args.groups_per_batch / elapsed,
             "rss_mb": rss_mb(server.proc.pid),
+            "server_cpu_ms": server_cpu / args.posts * 1e3,
+            "client_cpu_ms": client_cpu / args.posts * 1e3,
         }
     finally:
         server.stop()
@@ -334,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups-per-batch", type=int, default=16)
     parser.add_argument("--no-logprobs", action="store_true", help="leave inference_logprobs out of the groups")
     parser.add_argument("--sync", choices=["NORMAL", "FULL"], default="FULL")
-    parser.add_argument("--ingest-workers", type=int, default=0, help="server's --ingest-workers")
+    parser.add_argument("--ingest-workers", type=int, help="server's --ingest-workers (default: its own)")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--stall", action="store_true",
                         help="also measure how long other requests wait during one hostile or huge post")
@@ -357,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = len(json.dumps(groups[0]))
     print(f"group: {args.seqs} x {args.tokens} tokens, logprobs={'no' if args.no_logprobs else 'yes'}: "
           f"{raw / 1024:.0f} KiB JSON, {len(bodies[0]) / 1024:.0f} KiB gzip | sync={args.sync} | "
-          f"concurrency {args.concurrency} | ingest workers {args.ingest_workers} | {os.cpu_count()} CPUs | "
+          f"concurrency {args.concurrency} | ingest workers {'default' if args.ingest_workers is None else args.ingest_workers} | {os.cpu_count()} CPUs | "
           f"load average {os.getloadavg()[0]:.2f}")
     kinds = ["ours"] + (["baseline"] if args.baseline else []) + (["atropos"] if args.atropos_path else [])
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-api-"))
@@ -372,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"p50 {r['p50_ms']:6.1f} ms   p99 {r['p99_ms']:6.1f} ms   "
                   f"trainer drained {r['drained_groups_per_s']:6.0f} groups/s   server RSS {r['rss_mb']:.0f} MB   "
                   f"(load average {os.getloadavg()[0]:.2f})")
+            print(f"  CPU per post: server {r['server_cpu_ms']:.2f} ms (all its threads), "
+                  f"load generator and trainer {r['client_cpu_ms']:.2f} ms")
         if args.stall:
             members = gzip.compress(b"") * 100_000
             big = json.dumps([groups[0]] * max(1, (15 * 1024 * 1024) // raw)).encode()

@@ -143,6 +143,47 @@ def test_kill_9_mid_run_delivers_every_acknowledged_group_exactly_once(
     assert max(parked) > 0  # the API really was down while the environment played
 
 
+def _children(pid: int) -> set[int]:
+    """PIDs whose parent is `pid` (Linux /proc)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_ingest_workers_end_when_the_server_is_killed(tmp_path: Path, servers: list[ServerProcess]) -> None:
+    """A SIGKILLed server cannot stop its worker processes: they must notice and end themselves,
+    not wait forever for work (a restarted server starts its own)."""
+    api = launch(servers, tmp_path / "api.sqlite", args=["--ingest-workers", "2"])
+    assert api.proc is not None
+    with TrainerClient(api.url) as trainer:
+        trainer.register(ATROPOS_REGISTRATION)
+        trainer.get_batch()
+        httpx.post(f"{api.url}/register-env", json=atropos_register_env(4)).raise_for_status()
+        for i in range(4):  # checked by the workers
+            assert httpx.post(f"{api.url}/scored_data", json=make_group(uid=f"w{i}")).status_code == 200
+    workers = _children(api.proc.pid)
+    assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
+    api.kill()
+    deadline = time.monotonic() + 60
+    while (alive := {p for p in workers if Path(f"/proc/{p}").exists() and _state(p) != "Z"}) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, f"worker processes {sorted(alive)} outlived the killed server"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return "Z"
+
+
 def test_outbox_flushes_in_order_when_the_api_returns(tmp_path: Path, servers: list[ServerProcess]) -> None:
     db = tmp_path / "api.sqlite"
     api = launch(servers, db)

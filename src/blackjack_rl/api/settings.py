@@ -81,12 +81,13 @@ class ApiConfig(BaseSettings):
         "disconnecting cannot stall training. It regains its share when it is heard from again.",
         json_schema_extra={"flag": "--env-lease", "metavar": "SECONDS"},
     )
-    ingest_workers: int = Field(
-        0,
+    ingest_workers: int | None = Field(
+        None,
         ge=0,
         le=256,
-        description="Processes that parse and check posted groups. 0: the server process does it "
-        "(best on 1-2 cores); on bigger machines a few workers raise ingest throughput.",
+        description="Processes that parse and check posted groups (default: 1 when the server may use "
+        "2 or more cores, else 0, which checks them in the server process). One worker takes ~40% "
+        "of the CPU off the server process; more help only when it has cores to spare.",
         json_schema_extra={"metavar": "N"},
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="uvicorn's log level.")
