@@ -74,6 +74,8 @@ CASES = {
     "atropos' empty lists": group(advantages=[], ref_logprobs=[], overrides=[], images=[]),
     "free-form fields": group(generation_params={"temperature": 0.7, "stop": ["x"]}, group_overrides={"a": 1}),
     "per-token advantages": group(advantages=[[0.0, 0.0, 0.5, 0.5], [0.0, 0.0, -0.5, -0.5]]),
+    "a field of the environment's own": group(trace={"step": 1, "values": [0.5, -2]}),
+    "no episodes metadata": group(episodes=_DROP),
 }
 
 
@@ -91,6 +93,19 @@ def test_nan_in_a_free_form_field_is_stored_as_null():
     text = json.dumps(group()).replace('"note": "unknown fields are kept"', '"note": NaN').encode()
     (stored,) = _stored(text, "identity", False)
     assert stored["episodes"][0]["note"] == ("NoneType", None)
+
+
+@pytest.mark.parametrize("where", ["episodes", "trace"])
+@pytest.mark.parametrize("as_list", [False, True])
+def test_numbers_too_big_for_a_float_outside_the_checked_fields(where, as_list):
+    """1e999 is valid JSON that parses to infinity: stored as the model writes it (null), in
+    our metadata (read in the single pass) and in a field of the client's own (read apart)."""
+    g = group(trace={"x": 0.5}) if where == "trace" else group()
+    text = json.dumps([g] if as_list else g).encode()
+    inner = b'"x": 0.5' if where == "trace" else b'"seed": 3}]'
+    text = text.replace(inner, inner.replace(b"0.5", b"1e999").replace(b"3}]", b'3, "big": -1e999}]'))
+    assert b"1e999" in text
+    assert _stored(text, "identity", as_list) == _reference(text, as_list)
 
 
 BAD = {

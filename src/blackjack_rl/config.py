@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
 
@@ -352,6 +351,8 @@ def load_settings(config_file: str | Path | None = None, overrides: dict[str, An
 def _check_yaml(path: Path) -> None:
     """A settings file must be YAML text holding a mapping; say where it is not, in one line
     (the YAML source would raise a multi-line parser error or a puzzling TypeError)."""
+    import yaml  # only commands given --config pay for it
+
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:

@@ -29,7 +29,15 @@ from ..tokens import MASKED
 from .batching import divisors_text
 from .body import gunzip_limited
 from .errors import ApiError
-from .models import FLOAT_FIELDS, INTEGERS_SEEN, SCORED_DATA_FIELDS, FastScoredGroup, ScoredGroup, holds_int
+from .models import (
+    FLOAT_FIELDS,
+    INTEGERS_SEEN,
+    SCORED_DATA_FIELDS,
+    FastKnownGroup,
+    FastScoredGroup,
+    ScoredGroup,
+    holds_int,
+)
 
 #: How a stored payload is encoded.
 FMT_ZLIB = 1  # zlib-compressed JSON object
@@ -40,6 +48,8 @@ FMT_GZIP_LIST1 = 3  # the client's gzip body, a JSON list holding one object
 MAX_GROUPS_PER_POST = 4096
 _GROUP_LIST = TypeAdapter(list[ScoredGroup])
 _FAST_GROUP = msgspec.json.Decoder(FastScoredGroup)
+_KNOWN_GROUP = msgspec.json.Decoder(FastKnownGroup)
+_KNOWN_LIST = msgspec.json.Decoder(list[FastKnownGroup])
 _RAW_LIST = msgspec.json.Decoder(list[msgspec.Raw])
 _RAW_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ANY = msgspec.json.Decoder()
@@ -94,8 +104,11 @@ def prepare_groups(
             group, _, suffix = fast[0]
             fmt = FMT_GZIP_LIST1 if as_list else FMT_GZIP_OBJECT
             return [PreparedGroup(group.env_id, len(group.tokens), fmt, raw, suffix)]
+        texts = [own for _, own, _ in fast]
+        if None in texts:
+            texts = _group_texts(text, as_list)
         return [PreparedGroup(g.env_id, len(g.tokens), FMT_ZLIB, zlib.compress(own, 1), suffix)
-                for g, own, suffix in fast]
+                for (g, _, suffix), own in zip(fast, texts)]
 
     seen: dict[str, bool] = {}
     groups = _parse(text, as_list, seen)
@@ -152,21 +165,37 @@ def _check_all(groups: Sequence[Any], ctx: IngestContext, as_list: bool) -> None
 # --- parsing -----------------------------------------------------------------------------
 
 
-def _fast_parse(text: bytes, as_list: bool) -> list[tuple[FastScoredGroup, bytes, bytes]] | None:
-    """Each group, read by msgspec, with its own JSON text and the `,"key":null` pairs for the
-    Atropos fields that text leaves out; None sends the body to pydantic.
+def _fast_parse(text: bytes, as_list: bool) -> list[tuple[FastScoredGroup, bytes | None, bytes]] | None:
+    """Each group, read by msgspec, with its own JSON text (None: not cut out yet) and the
+    `,"key":null` pairs for the Atropos fields that text leaves out; None sends the body to pydantic.
 
     None whenever the pydantic path could answer differently: a body msgspec refuses (pydantic
     then names the problem), JSON integers in float fields (re-encoded as floats), NaN or
     infinity outside the checked fields (re-encoded as null), messages without role/content.
+    The usual body, groups of known fields only, takes one typed pass over the JSON.
     """
     try:
-        texts = [bytes(r) for r in _RAW_LIST.decode(text)] if as_list else [text.strip()]
-        out = []
-        for own in texts:
+        known = _KNOWN_LIST.decode(text) if as_list else [_KNOWN_GROUP.decode(text)]
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _fast_parse_fields(text, as_list)  # another field, or a body pydantic must read
+    out: list[tuple[FastScoredGroup, bytes | None, bytes]] = []
+    for group in known:
+        if not _plain(group, () if group.episodes is msgspec.UNSET else (group.episodes,)):
+            return None
+        missing = [name for name in SCORED_DATA_FIELDS if getattr(group, name) is msgspec.UNSET]
+        out.append((msgspec.structs.replace(group, **dict.fromkeys(missing)), None, _null_suffix(missing)))
+    return out
+
+
+def _fast_parse_fields(text: bytes, as_list: bool) -> list[tuple[FastScoredGroup, bytes | None, bytes]] | None:
+    """`_fast_parse` for groups with fields of their own: each group's fields are read
+    again as raw JSON, to find the missing ones and check the unknown ones' values."""
+    try:
+        out: list[tuple[FastScoredGroup, bytes | None, bytes]] = []
+        for own in _group_texts(text, as_list):
             group = _FAST_GROUP.decode(own)
             fields = _RAW_FIELDS.decode(own)
-            if not _plain(group, fields):
+            if not _plain(group, (_ANY.decode(value) for key, value in fields.items() if key not in _KNOWN_FIELDS)):
                 return None
             missing = [name for name in SCORED_DATA_FIELDS if name not in fields]
             out.append((msgspec.structs.replace(group, **dict.fromkeys(missing)), own, _null_suffix(missing)))
@@ -175,7 +204,12 @@ def _fast_parse(text: bytes, as_list: bool) -> list[tuple[FastScoredGroup, bytes
         return None
 
 
-def _plain(group: FastScoredGroup, fields: dict[str, msgspec.Raw]) -> bool:
+def _group_texts(text: bytes, as_list: bool) -> list[bytes]:
+    """The JSON text of each group of a body msgspec has read."""
+    return [bytes(r) for r in _RAW_LIST.decode(text)] if as_list else [text.strip()]
+
+
+def _plain(group: FastScoredGroup, extra_values: Iterable[Any]) -> bool:
     """Whether storing this group as sent is exactly what the pydantic path would do."""
     if any(holds_int(getattr(group, name)) for name in FLOAT_FIELDS):
         return False
@@ -184,7 +218,7 @@ def _plain(group: FastScoredGroup, fields: dict[str, msgspec.Raw]) -> bool:
         return False
     if any(_non_finite(getattr(group, name)) for name in _LOOSE_FIELDS):
         return False
-    return not any(_non_finite(_ANY.decode(value)) for key, value in fields.items() if key not in _KNOWN_FIELDS)
+    return not any(_non_finite(value) for value in extra_values)
 
 
 def _parse(text: bytes, as_list: bool, context: dict[str, bool]) -> Sequence[ScoredGroup]:

@@ -137,6 +137,17 @@ class FastScoredGroup(msgspec.Struct, frozen=True):
     distill_logprobs: list[list[list[_MsNumber]]] | None | _Unset = msgspec.UNSET
 
 
+class FastKnownGroup(FastScoredGroup, frozen=True, forbid_unknown_fields=True):
+    """A group as atroposlib and this project's clients send it, read in a single pass.
+
+    Only Atropos' fields and our per-episode `episodes` metadata, so that no field goes
+    unseen: a group with any other field is read by `FastScoredGroup` plus a pass over its
+    fields, which checks what this one checks here.
+    """
+
+    episodes: Any = msgspec.UNSET
+
+
 #: Bounds on every number a client chooses, so no request can make the server do work (or
 #: hold memory) proportional to a number it made up. A batch of 65,536 sequences is far
 #: beyond any trainer's; int32 covers token lengths, steps and intervals.
