@@ -169,3 +169,17 @@ def test_any_value_in_any_field_gets_the_models_answer(field, value, as_list):
                 check_group(g, CTX)
         return
     assert stored == reference
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+@pytest.mark.parametrize("drop", [(), ("env_id", "messages")])
+def test_a_gzip_body_with_whitespace_is_served_as_its_group(as_list, drop):
+    """A body stored as the client's own gzip bytes is served as exactly its group's JSON object,
+    whatever whitespace the client put around it, with the fields it left out added as null."""
+    g = group(**dict.fromkeys(drop, _DROP))
+    inner = json.dumps(g, indent=1).encode()
+    text = b"\n [\r\n\t" + inner + b" \n] \n" if as_list else b" \r\n" + inner + b"\n\t "
+    (prepared,) = prepare_groups(gzip.compress(text), "gzip", CTX, as_list=as_list, max_bytes=10**7)
+    served = decode_payload(prepared.fmt, prepared.data, prepared.suffix)
+    assert served.startswith(b"{") and served.endswith(b"}")
+    assert json.loads(served) == {**dict.fromkeys(SCORED_DATA_FIELDS), **g}

@@ -133,17 +133,33 @@ def prepare_groups(
 
 def decode_payload(fmt: int, data: bytes, suffix: bytes = b"") -> bytes:
     """The JSON object of a stored group, every Atropos field present."""
+    return b"".join(payload_parts(fmt, data, suffix))
+
+
+def payload_parts(fmt: int, data: bytes, suffix: bytes = b"") -> list[bytes | memoryview]:
+    """`decode_payload` as pieces to join, without copying the decompressed text again
+    (a batch joins sixteen of these, ~100 KB each, into its body)."""
     if fmt == FMT_ZLIB:
-        obj = zlib.decompress(data)
+        text = zlib.decompress(data)
+        start, end = 0, len(text)
     elif fmt in (FMT_GZIP_OBJECT, FMT_GZIP_LIST1):
-        obj = zlib.decompress(data, 16 + zlib.MAX_WBITS).strip()
-        if fmt == FMT_GZIP_LIST1:
-            obj = obj[1:-1].strip()
+        text = zlib.decompress(data, 16 + zlib.MAX_WBITS)
+        start, end = _strip(text, 0, len(text))
+        if fmt == FMT_GZIP_LIST1:  # the client's `[ {...} ]`
+            start, end = _strip(text, start + 1, end - 1)
     else:
         raise ValueError(f"unknown payload format {fmt}")
-    if suffix:
-        obj = obj[:-1] + suffix + b"}"
-    return obj
+    view = memoryview(text)[start:end]
+    return [view[:-1], suffix, b"}"] if suffix else [view]
+
+
+def _strip(text: bytes, start: int, end: int) -> tuple[int, int]:
+    """The bounds of text[start:end] without JSON whitespace at either end."""
+    while start < end and text[start] in b" \t\r\n":
+        start += 1
+    while end > start and text[end - 1] in b" \t\r\n":
+        end -= 1
+    return start, end
 
 
 def _check_all(groups: Sequence[Any], ctx: IngestContext, as_list: bool) -> None:
