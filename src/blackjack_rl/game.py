@@ -13,7 +13,6 @@ import random
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import gymnasium as gym
 from pydantic import BaseModel, ConfigDict
 
 
@@ -77,6 +76,8 @@ class Table:
     """One reusable Blackjack-v1 env. `reset(seed)` fixes the deal and every later draw."""
 
     def __init__(self, rules: Rules | None = None) -> None:
+        import gymnasium as gym  # here, not at the top: `solve`, `--help` and the records need no table (~0.2 s)
+
         self.rules = rules or Rules()
         self._wrapped = gym.make("Blackjack-v1", natural=self.rules.natural, sab=self.rules.sab)
         # The unwrapped env skips the order/passive checkers on every step; we call
