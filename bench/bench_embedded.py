@@ -35,8 +35,26 @@ from baseline import load  # noqa: E402
 DEFAULT_REV = "ee2b82a"
 
 
+# A baseline from before policies/llama_load.py crashes on CPUs with AMX (llama.cpp issue
+# 20824); it runs with the same fix applied to the whole process: plain CPU weight buffers.
+PLAIN_BUFFERS = """
+import runpy, sys
+import llama_cpp
+from llama_cpp import llama as high_level
+defaults = llama_cpp.llama_model_default_params
+def params():
+    p = defaults()
+    p.use_extra_bufts = False
+    return p
+high_level.llama_cpp.llama_model_default_params = params
+sys.argv[0] = "blackjack-rl"
+runpy.run_module("blackjack_rl.cli", run_name="__main__")
+"""
+
+
 def main_job(src: Path | None, deals: int, out: Path) -> tuple[float, dict]:
-    cmd = [sys.executable, "-m", "blackjack_rl.cli", "evaluate", "--episodes", str(deals), "--out", str(out)]
+    head = ["-m", "blackjack_rl.cli"] if src is None else ["-c", PLAIN_BUFFERS]
+    cmd = [sys.executable, *head, "evaluate", "--episodes", str(deals), "--out", str(out)]
     t0 = time.perf_counter()
     subprocess.run(cmd, env=baseline.cli_env(src), check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
