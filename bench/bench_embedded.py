@@ -85,22 +85,29 @@ def token_rates(n_prompts: int) -> None:
 
     # Raw llama.cpp as its own tools run it: a fresh context per prompt, logits of the last
     # position only, and decoding the tokens ours sampled one at a time (no sampling cost at all).
+    # It runs on the policy's own llama.cpp thread: from a second thread of the same process
+    # llama.cpp decodes ~3x slower (docs/inference.md, "One llama.cpp thread per process").
     raw = load_llama(model_path=str(policy.model_path), n_ctx=1024, n_threads=usable_cpus(),
                      n_threads_batch=usable_cpus(), verbose=False)
-    t0 = time.perf_counter()
-    for p in prompts:
-        raw.reset()
-        raw.eval(p)
-    prefill_s = time.perf_counter() - t0
-    decode_s, n_decoded = 0.0, 0
-    for p, r in zip(prompts, replies):
-        raw.reset()
-        raw.eval(p)
+
+    def measure_raw() -> tuple[float, float, int]:
         t0 = time.perf_counter()
-        for tok in r.completion_ids[:-1]:
-            raw.eval([tok])
-        decode_s += time.perf_counter() - t0
-        n_decoded += len(r.completion_ids) - 1
+        for p in prompts:
+            raw.reset()
+            raw.eval(p)
+        prefill_s = time.perf_counter() - t0
+        decode_s, n_decoded = 0.0, 0
+        for p, r in zip(prompts, replies):
+            raw.reset()
+            raw.eval(p)
+            t0 = time.perf_counter()
+            for tok in r.completion_ids[:-1]:
+                raw.eval([tok])
+            decode_s += time.perf_counter() - t0
+            n_decoded += len(r.completion_ids) - 1
+        return prefill_s, decode_s, n_decoded
+
+    prefill_s, decode_s, n_decoded = policy._worker.submit(measure_raw).result()
     n_prompt, n_new = sum(map(len, prompts)), sum(sampled)
     raw_s = prefill_s + decode_s * n_new / n_decoded
     print(f"\n[tokens/s] {n_prompts} opening prompts ({n_prompt} prompt tokens), {n_new} sampled tokens | {load()}")
