@@ -373,6 +373,22 @@ def test_backpressure_counts_the_sequences_a_post_would_add(tmp_path: Path) -> N
         assert c.post("/scored_data", json=make_group(uid="fits")).status_code == 200
 
 
+def test_one_ingest_worker_by_default_once_there_is_a_second_core(tmp_path: Path, monkeypatch) -> None:
+    """The default takes checking off the server process only where a core is free for it."""
+    from blackjack_rl.api import ingest_workers
+
+    assert [ingest_workers.default_workers(n) for n in (1, 2, 16)] == [0, 1, 1]
+    monkeypatch.setattr(ingest_workers, "usable_cpus", lambda: 2)
+    with TestClient(create_app(ApiConfig(db_path=tmp_path / "a.sqlite"))) as c:
+        assert c.app.state.pool.workers == 1
+        start(c)
+        register_env(c)
+        assert c.post("/scored_data", json=make_group(uid="d0")).status_code == 200
+    monkeypatch.setattr(ingest_workers, "usable_cpus", lambda: 1)
+    with TestClient(create_app(ApiConfig(db_path=tmp_path / "b.sqlite"))) as c:
+        assert c.app.state.pool.workers == 0
+
+
 def test_ingest_worker_processes_check_and_refuse_like_the_server(tmp_path: Path) -> None:
     with TestClient(create_app(ApiConfig(db_path=tmp_path / "a.sqlite", ingest_workers=1))) as c:
         start(c)

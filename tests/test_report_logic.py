@@ -223,3 +223,25 @@ def test_dataset_view_scripts_hold_any_answer(tmp_path):
     assert msgs[-1] == ["assistant", text] and payload["systems"] == ["sys " + EVIL]
     manifest = (tmp_path / "groups-view" / "manifest.js").read_text(encoding="utf-8")
     assert json.loads(manifest[len("VIEW.manifest("):-3])["reasons"] == [EVIL]
+
+
+def test_compiled_templates_are_reused_and_never_fail_a_page(tmp_path, monkeypatch):
+    """Pages reuse jinja2's compiled templates from the per-user temp cache; with no usable
+    temp directory there is no cache, and pages still render."""
+    import tempfile
+
+    from blackjack_rl.report import html
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    html.environment().get_template("report.html.jinja")
+    assert list(tmp_path.glob("_jinja2-cache-*/*"))
+    cached = html.environment()
+    monkeypatch.setattr(cached, "compile", lambda *a, **k: pytest.fail("compiled again despite the cache"))
+    assert cached.get_template("report.html.jinja").name == "report.html.jinja"
+
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(blocker))
+    env = html.environment()
+    assert env.bytecode_cache is None
+    env.get_template("report.html.jinja")

@@ -2,19 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from typing import Any
 
 from jinja2 import Environment, FileSystemBytecodeCache, PackageLoader, select_autoescape
+from jinja2.bccache import Bucket
+
+
+class _CompiledTemplates(FileSystemBytecodeCache):
+    """jinja2's cache of compiled templates in a private per-user temp directory (compiling the
+    report costs a short command ~50 ms), which can never fail a page: a directory that cannot
+    be read or written only means compiling again. jinja2 recompiles when a template changes."""
+
+    def load_bytecode(self, bucket: Bucket) -> None:
+        try:
+            super().load_bytecode(bucket)
+        except OSError:
+            bucket.reset()
+
+    def dump_bytecode(self, bucket: Bucket) -> None:
+        with contextlib.suppress(OSError):
+            super().dump_bytecode(bucket)
+
+
+def _template_cache() -> _CompiledTemplates | None:
+    try:
+        return _CompiledTemplates()
+    except (OSError, RuntimeError):  # no usable temp directory, or one another user owns
+        return None
 
 
 def environment() -> Environment:
-    # Compiling the report templates costs a short command ~50 ms; jinja2 keeps the compiled
-    # code in a private per-user temp directory and recompiles whenever a template changes.
     env = Environment(loader=PackageLoader("blackjack_rl", "report/templates"),
                       autoescape=select_autoescape(default=True, default_for_string=True),
-                      bytecode_cache=FileSystemBytecodeCache())
+                      bytecode_cache=_template_cache())
     env.filters.update(pct=pct, signed=signed, num=num, script_json=script_json)
     return env
 
