@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from helpers import build_hf_tokenizer, free_port, running_server
 
 from blackjack_rl.game import Rules
 from blackjack_rl.solver import solve
 from blackjack_rl.tokens import ChatFormat, LlamaCppTokenizer, embedded_model_path
+
+
+# Apps made in this process check posts in threads: a worker process costs each of the many
+# short-lived test apps ~0.5 s to start. Servers run as subprocesses (helpers.ServerProcess)
+# keep the default, one worker on 2+ cores, and tests of the workers ask for them.
+os.environ.setdefault("BLACKJACK_RL_API_INGEST_WORKERS", "0")
 
 
 @pytest.fixture(scope="session")

@@ -137,6 +137,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         env = cli_env()
         env.pop("BLACKJACK_RL_API_TOKEN", None)
+        env.pop("BLACKJACK_RL_API_INGEST_WORKERS", None)  # the server's own default (conftest.py)
         env.update(self.extra_env)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT)

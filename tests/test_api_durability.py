@@ -143,15 +143,16 @@ def test_kill_9_mid_run_delivers_every_acknowledged_group_exactly_once(
     assert max(parked) > 0  # the API really was down while the environment played
 
 
-def _children(pid: int) -> set[int]:
-    """PIDs whose parent is `pid` (Linux /proc)."""
+def _pool_workers(pid: int) -> set[int]:
+    """PIDs of `pid`'s multiprocessing workers (Linux /proc), not its resource tracker."""
     found = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rpartition(")")[2].split()
+            command = (stat.parent / "cmdline").read_bytes()
         except OSError:  # ended meanwhile
             continue
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and b"multiprocessing.spawn" in command:
             found.add(int(stat.parent.name))
     return found
 
@@ -168,8 +169,8 @@ def test_ingest_workers_end_when_the_server_is_killed(tmp_path: Path, servers: l
         httpx.post(f"{api.url}/register-env", json=atropos_register_env(4)).raise_for_status()
         for i in range(4):  # checked by the workers
             assert httpx.post(f"{api.url}/scored_data", json=make_group(uid=f"w{i}")).status_code == 200
-    workers = _children(api.proc.pid)
-    assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
+    workers = _pool_workers(api.proc.pid)
+    assert len(workers) == 2
     api.kill()
     deadline = time.monotonic() + 60
     while (alive := {p for p in workers if Path(f"/proc/{p}").exists() and _state(p) != "Z"}) and time.monotonic() < deadline:

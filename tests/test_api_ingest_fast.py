@@ -19,7 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blackjack_rl.api.errors import ApiError
-from blackjack_rl.api.ingest import IngestContext, check_group, decode_payload, prepare_groups
+from blackjack_rl.api.ingest import (
+    FMT_GZIP_LIST1,
+    FMT_GZIP_OBJECT,
+    IngestContext,
+    check_group,
+    decode_payload,
+    prepare_groups,
+)
 from blackjack_rl.api.models import SCORED_DATA_FIELDS, ScoredGroup
 
 CTX = IngestContext(batch_size=8, max_token_len=4096, env_group_sizes={0: 4})
@@ -180,6 +187,25 @@ def test_a_gzip_body_with_whitespace_is_served_as_its_group(as_list, drop):
     inner = json.dumps(g, indent=1).encode()
     text = b"\n [\r\n\t" + inner + b" \n] \n" if as_list else b" \r\n" + inner + b"\n\t "
     (prepared,) = prepare_groups(gzip.compress(text), "gzip", CTX, as_list=as_list, max_bytes=10**7)
+    assert prepared.fmt == (FMT_GZIP_LIST1 if as_list else FMT_GZIP_OBJECT)  # kept as the client's bytes
     served = decode_payload(prepared.fmt, prepared.data, prepared.suffix)
     assert served.startswith(b"{") and served.endswith(b"}")
     assert json.loads(served) == {**dict.fromkeys(SCORED_DATA_FIELDS), **g}
+
+
+@pytest.mark.parametrize("field", ["episodes", "images", "generation_params", "trace"])
+@pytest.mark.parametrize("depth", [150, 200, 201, 1000, 100_000])
+def test_deeply_nested_values_get_the_models_answer(field, depth):
+    """Nesting is bounded by pydantic's JSON reader (~200 levels): below it the group is stored
+    as the model writes it, above it the body is refused as invalid JSON, never a crash."""
+    nested = ("[" * depth + "]" * depth) if field != "generation_params" else ('{"a":' * depth + "1" + "}" * depth)
+    text = json.dumps(group(**{field: None}))[:-1].replace(f'"{field}": null', f'"{field}": {nested}') + "}"
+    text = text.encode()
+    try:
+        reference = _reference(text, False)
+    except pydantic.ValidationError:
+        with pytest.raises(ApiError) as refused:
+            prepare_groups(text, "identity", CTX, as_list=False, max_bytes=10**7)
+        assert refused.value.status == 400 and "recursion" in refused.value.detail
+        return
+    assert _stored(text, "identity", False) == reference

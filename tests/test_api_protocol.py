@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ import httpx
 import pytest
 from api_payloads import ATROPOS_REGISTRATION, atropos_register_env, make_group, uids
 from fastapi.testclient import TestClient
+from helpers import cli_env
 
 from blackjack_rl.api import ApiConfig, ApiRejected, EnvClient, create_app
 from blackjack_rl.retry import RetryPolicy
@@ -378,6 +381,7 @@ def test_one_ingest_worker_by_default_once_there_is_a_second_core(tmp_path: Path
     from blackjack_rl.api import ingest_workers
 
     assert [ingest_workers.default_workers(n) for n in (1, 2, 16)] == [0, 1, 1]
+    monkeypatch.delenv("BLACKJACK_RL_API_INGEST_WORKERS", raising=False)  # conftest's choice for test apps
     monkeypatch.setattr(ingest_workers, "usable_cpus", lambda: 2)
     with TestClient(create_app(ApiConfig(db_path=tmp_path / "a.sqlite"))) as c:
         assert c.app.state.pool.workers == 1
@@ -387,6 +391,23 @@ def test_one_ingest_worker_by_default_once_there_is_a_second_core(tmp_path: Path
     monkeypatch.setattr(ingest_workers, "usable_cpus", lambda: 1)
     with TestClient(create_app(ApiConfig(db_path=tmp_path / "b.sqlite"))) as c:
         assert c.app.state.pool.workers == 0
+
+
+def test_a_script_without_a_main_guard_still_serves(tmp_path: Path) -> None:
+    """Worker processes re-run an unguarded script and die; the API then checks posts itself."""
+    script = tmp_path / "serve_here.py"
+    script.write_text(
+        "from fastapi.testclient import TestClient\n"
+        "from blackjack_rl.api.server import create_app\n"
+        "from blackjack_rl.api.settings import ApiConfig\n"
+        f"with TestClient(create_app(ApiConfig(db_path={str(tmp_path / 'a.sqlite')!r}, ingest_workers=1))) as c:\n"
+        "    print('workers', c.app.state.pool.workers, 'status', c.get('/status').status_code)\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=cli_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "workers 0 status 200" in proc.stdout
+    assert "could not start" in proc.stderr
 
 
 def test_ingest_worker_processes_check_and_refuse_like_the_server(tmp_path: Path) -> None:
@@ -401,3 +422,45 @@ def test_ingest_worker_processes_check_and_refuse_like_the_server(tmp_path: Path
         refused = c.post("/scored_data", json={**make_group(), "scores": [1.0]})
         assert refused.status_code == 422 and "scores has 1 entries" in refused.json()["detail"]
         assert uids(c.get("/batch").json()["batch"]) == ["w0", "w1"]
+
+
+def test_a_crashed_ingest_worker_is_replaced_once(monkeypatch) -> None:
+    """Every post in flight when a worker dies gets a 503 to retry; the pool is replaced once,
+    not once per post (which would cancel posts just handed to the new pool), and works after."""
+    import os
+
+    from blackjack_rl.api.errors import ApiError
+    from blackjack_rl.api.ingest import IngestContext
+    from blackjack_rl.api.ingest_workers import IngestPool
+
+    made = []
+    original = IngestPool._new_pool
+
+    def counted(self):
+        made.append(original(self))
+        return made[-1]
+
+    monkeypatch.setattr(IngestPool, "_new_pool", counted)
+    ctx = IngestContext(batch_size=8, env_group_sizes={0: 4})
+    body = json.dumps(make_group(uid="c0")).encode()
+
+    async def run() -> list[Any]:
+        pool = IngestPool(1)
+        await pool.start()
+        try:
+            loop = asyncio.get_running_loop()
+            poison = loop.run_in_executor(made[0], os._exit, 3)  # the worker dies before the posts run
+            posts = [pool.prepare(body, "identity", ctx, as_list=False, max_bytes=10**7, with_digest=False)
+                     for _ in range(6)]
+            outcomes = await asyncio.gather(poison, *posts, return_exceptions=True)
+            after = await pool.prepare(body, "identity", ctx, as_list=False, max_bytes=10**7, with_digest=False)
+            return [*outcomes[1:], after]
+        finally:
+            pool.shutdown()
+
+    *during, after = asyncio.run(run())
+    refused = [o for o in during if isinstance(o, ApiError) and o.status == 503]
+    assert refused and all(o in refused or isinstance(o, tuple) for o in during), during  # 503s, or checked by the new pool
+    assert len(made) == 2  # the first pool, and one replacement
+    groups, _ = after
+    assert len(groups) == 1

@@ -56,6 +56,8 @@ _ANY = msgspec.json.Decoder()
 _KNOWN_FIELDS = frozenset(SCORED_DATA_FIELDS)
 _LOOSE_FIELDS = ("messages", "generation_params", "overrides", "group_overrides", "images")
 _SHOWN_ERRORS = 4
+#: Free-form values nested deeper than this are read by pydantic (which allows ~200 levels).
+_FAST_DEPTH = 100
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,8 @@ def _fast_parse(text: bytes, as_list: bool) -> list[tuple[FastScoredGroup, bytes
     """
     try:
         known = _KNOWN_LIST.decode(text) if as_list else [_KNOWN_GROUP.decode(text)]
+    except RecursionError:  # nested deeper than pydantic reads either: it names the problem
+        return None
     except (msgspec.DecodeError, msgspec.ValidationError):
         return _fast_parse_fields(text, as_list)  # another field, or a body pydantic must read
     out: list[tuple[FastScoredGroup, bytes | None, bytes]] = []
@@ -216,7 +220,7 @@ def _fast_parse_fields(text: bytes, as_list: bool) -> list[tuple[FastScoredGroup
             missing = [name for name in SCORED_DATA_FIELDS if name not in fields]
             out.append((msgspec.structs.replace(group, **dict.fromkeys(missing)), own, _null_suffix(missing)))
         return out
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
 
 
@@ -232,9 +236,28 @@ def _plain(group: FastScoredGroup, extra_values: Iterable[Any]) -> bool:
     messages = group.messages
     if isinstance(messages, list) and not all("role" in m and "content" in m for c in messages for m in c):
         return False
-    if any(_non_finite(getattr(group, name)) for name in _LOOSE_FIELDS):
+    if not all(_plain_value(getattr(group, name)) for name in _LOOSE_FIELDS):
         return False
-    return not any(_non_finite(value) for value in extra_values)
+    return all(_plain_value(value) for value in extra_values)
+
+
+def _plain_value(value: Any) -> bool:
+    """A free-form value with no NaN or infinity, nested no deeper than `_FAST_DEPTH`.
+
+    Deeper values go to pydantic, which refuses JSON nested more than ~200 levels; walked
+    without recursion, so no depth a client sends can exhaust the stack.
+    """
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return False
+        elif isinstance(item, (list, dict)):
+            if depth >= _FAST_DEPTH:
+                return False
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return True
 
 
 def _parse(text: bytes, as_list: bool, context: dict[str, bool]) -> Sequence[ScoredGroup]:

@@ -10,6 +10,7 @@ talks HTTP and writes SQLite; one worker raised ingest from 461 to 605 posts/s o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import multiprocessing
@@ -38,7 +39,8 @@ def _end_with(parent: int) -> None:
     """In each worker: exit once the server process is gone.
 
     A server killed with SIGKILL never shuts its pool down, and a spawned worker holds both
-    ends of its own job pipe, so it would wait for work forever; it watches its parent instead.
+    ends of its own job pipe, so it would wait for work forever; it watches its parent instead
+    (on POSIX an orphan's parent id changes; on Windows it does not, and this does nothing).
     """
 
     def watch() -> None:
@@ -46,7 +48,8 @@ def _end_with(parent: int) -> None:
             time.sleep(0.5)
         os._exit(0)
 
-    threading.Thread(target=watch, name="watch-server", daemon=True).start()
+    with contextlib.suppress(RuntimeError):  # no thread to spare: the worker still checks posts
+        threading.Thread(target=watch, name="watch-server", daemon=True).start()
 
 
 def body_digest(raw: bytes, as_list: bool) -> str:
@@ -100,20 +103,29 @@ class IngestPool:
             return
         self._pool = self._new_pool()
         loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(self._pool, _ready) for _ in range(self.workers)))
+        try:
+            await asyncio.gather(*(loop.run_in_executor(self._pool, _ready) for _ in range(self.workers)))
+        except (BrokenProcessPool, OSError) as exc:
+            # e.g. a script that serves the API without an `if __name__ == "__main__":` guard,
+            # which every spawned worker would run again
+            log.warning("ingest worker processes could not start (%s); checking posts in the server process", exc)
+            broken, self._pool, self.workers = self._pool, None, 0
+            broken.shutdown(wait=False, cancel_futures=True)
 
     async def prepare(
         self, raw: bytes, coding: str, ctx: IngestContext, *, as_list: bool, max_bytes: int, with_digest: bool
     ) -> tuple[list[PreparedGroup], str]:
         job = partial(prepare_post, raw, coding, ctx, as_list, max_bytes, with_digest)
-        if self._pool is None:
+        pool = self._pool
+        if pool is None:
             return await anyio.to_thread.run_sync(job, limiter=self._limiter)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, job)
+            return await asyncio.get_running_loop().run_in_executor(pool, job)
         except BrokenProcessPool:
-            log.error("an ingest worker died; starting a new pool")
-            broken, self._pool = self._pool, self._new_pool()
-            broken.shutdown(wait=False, cancel_futures=True)
+            if self._pool is pool:  # the first post to find it broken replaces it, once
+                log.error("an ingest worker died; starting a new pool")
+                self._pool = self._new_pool()
+                pool.shutdown(wait=False, cancel_futures=True)
             raise ApiError(503, "an ingest worker crashed while checking this post; send it again") from None
 
     def shutdown(self) -> None:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
+from pathlib import Path
 from typing import Any
 
+import jinja2
 from jinja2 import Environment, FileSystemBytecodeCache, PackageLoader, select_autoescape
 from jinja2.bccache import Bucket
 
@@ -14,7 +17,16 @@ from jinja2.bccache import Bucket
 class _CompiledTemplates(FileSystemBytecodeCache):
     """jinja2's cache of compiled templates in a private per-user temp directory (compiling the
     report costs a short command ~50 ms), which can never fail a page: a directory that cannot
-    be read or written only means compiling again. jinja2 recompiles when a template changes."""
+    be read or written only means compiling again.
+
+    jinja2 recompiles when a template's text changes, but its key leaves out the environment's
+    options (autoescaping is compiled in), so the file names carry a hash of jinja2's version
+    and of this module, where the options are set.
+    """
+
+    def __init__(self) -> None:
+        key = hashlib.blake2b(jinja2.__version__.encode() + Path(__file__).read_bytes(), digest_size=8).hexdigest()
+        super().__init__(pattern=f"__blackjack_rl_{key}_%s.cache")
 
     def load_bytecode(self, bucket: Bucket) -> None:
         try:
