@@ -37,19 +37,13 @@ DEFAULT_REV = "ee2b82a"
 
 
 # A baseline from before policies/llama_load.py crashes on CPUs with AMX (llama.cpp issue
-# 20824); it runs with the same fix applied to the whole process: plain CPU weight buffers.
-PLAIN_BUFFERS = """
+# 20824); it runs inside that module's `plain_cpu_buffers`, taken from this checkout by path.
+PLAIN_BUFFERS = f"""
 import runpy, sys
-import llama_cpp
-from llama_cpp import llama as high_level
-defaults = llama_cpp.llama_model_default_params
-def params():
-    p = defaults()
-    p.use_extra_bufts = False
-    return p
-high_level.llama_cpp.llama_model_default_params = params
-sys.argv[0] = "blackjack-rl"
-runpy.run_module("blackjack_rl.cli", run_name="__main__")
+plain = runpy.run_path({str(baseline.ROOT / "src/blackjack_rl/policies/llama_load.py")!r})["plain_cpu_buffers"]
+with plain():
+    sys.argv[0] = "blackjack-rl"
+    runpy.run_module("blackjack_rl.cli", run_name="__main__")
 """
 
 

@@ -202,8 +202,7 @@ def _fast_parse(text: bytes, as_list: bool) -> list[tuple[FastScoredGroup, bytes
     for group in known:
         if not _plain(group, () if group.episodes is msgspec.UNSET else (group.episodes,)):
             return None
-        missing = [name for name in SCORED_DATA_FIELDS if getattr(group, name) is msgspec.UNSET]
-        out.append((msgspec.structs.replace(group, **dict.fromkeys(missing)), None, _null_suffix(missing)))
+        out.append(_completed(group, [name for name in SCORED_DATA_FIELDS if getattr(group, name) is msgspec.UNSET], None))
     return out
 
 
@@ -217,11 +216,17 @@ def _fast_parse_fields(text: bytes, as_list: bool) -> list[tuple[FastScoredGroup
             fields = _RAW_FIELDS.decode(own)
             if not _plain(group, (_ANY.decode(value) for key, value in fields.items() if key not in _KNOWN_FIELDS)):
                 return None
-            missing = [name for name in SCORED_DATA_FIELDS if name not in fields]
-            out.append((msgspec.structs.replace(group, **dict.fromkeys(missing)), own, _null_suffix(missing)))
+            out.append(_completed(group, [name for name in SCORED_DATA_FIELDS if name not in fields], own))
         return out
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
+
+
+def _completed(
+    group: FastScoredGroup, missing: list[str], own: bytes | None
+) -> tuple[FastScoredGroup, bytes | None, bytes]:
+    """A fast reading's entry: the fields left out set to None, and the pairs that add them as null."""
+    return msgspec.structs.replace(group, **dict.fromkeys(missing)), own, _null_suffix(missing)
 
 
 def _group_texts(text: bytes, as_list: bool) -> list[bytes]:
@@ -241,11 +246,11 @@ def _plain(group: FastScoredGroup, extra_values: Iterable[Any]) -> bool:
     return all(_plain_value(value) for value in extra_values)
 
 
-def _plain_value(value: Any) -> bool:
-    """A free-form value with no NaN or infinity, nested no deeper than `_FAST_DEPTH`.
+def _plain_value(value: Any, max_depth: int | None = _FAST_DEPTH) -> bool:
+    """A free-form value with no NaN or infinity, nested no deeper than `max_depth`.
 
-    Deeper values go to pydantic, which refuses JSON nested more than ~200 levels; walked
-    without recursion, so no depth a client sends can exhaust the stack.
+    On the fast path deeper values go to pydantic, which refuses JSON nested more than ~200
+    levels; walked without recursion, so no depth a client sends can exhaust the stack.
     """
     stack = [(value, 0)]
     while stack:
@@ -254,7 +259,7 @@ def _plain_value(value: Any) -> bool:
             if not math.isfinite(item):
                 return False
         elif isinstance(item, (list, dict)):
-            if depth >= _FAST_DEPTH:
+            if max_depth is not None and depth >= max_depth:
                 return False
             stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
     return True
@@ -457,18 +462,8 @@ def _unvalidated_non_finite(group: ScoredGroup) -> bool:
     Such a group is re-encoded rather than stored as sent, so trainers get standard JSON
     (null) instead of NaN, which strict JSON parsers refuse.
     """
-    loose = (group.messages, group.generation_params, group.overrides, group.group_overrides, group.images)
-    return any(_non_finite(v) for v in loose) or _non_finite(group.__pydantic_extra__)
-
-
-def _non_finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    if isinstance(value, dict):
-        return any(_non_finite(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_non_finite(v) for v in value)
-    return False
+    loose = [getattr(group, name) for name in _LOOSE_FIELDS] + [group.__pydantic_extra__]
+    return not all(_plain_value(v, max_depth=None) for v in loose)  # pydantic has bounded the depth
 
 
 def _object_text(text: bytes, as_list: bool) -> bytes | None:

@@ -80,8 +80,8 @@ class IngestPool:
     other request if it ran there.
     """
 
-    def __init__(self, workers: int, threads: int = 2) -> None:
-        self.workers = workers
+    def __init__(self, workers: int | None, threads: int = 2) -> None:
+        self.workers = default_workers() if workers is None else workers
         self.threads = threads
         self._pool: ProcessPoolExecutor | None = None
         self._limiter: anyio.CapacityLimiter | None = None

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .body import content_coding, gunzip_limited, read_limited
 from .errors import ApiError
 from .ingest import decode_payload, payload_parts
-from .ingest_workers import IngestPool, default_workers
+from .ingest_workers import IngestPool
 from .models import EnvIdentifier, Registration, RegisterEnv
 from .settings import ApiConfig
 from .store import BatchRows, Store, StoreRunner
@@ -85,7 +85,7 @@ def create_app(config: ApiConfig) -> FastAPI:
         runner = StoreRunner(store)
         runner.start()
         app.state.runner = runner
-        pool = IngestPool(default_workers() if config.ingest_workers is None else config.ingest_workers)
+        pool = IngestPool(config.ingest_workers)
         app.state.pool = pool
         try:
             await pool.start()
