@@ -3,6 +3,7 @@
 Everything a run leaves is in `--out`:
     command.txt          the command line
     settings.json        every resolved setting
+                         (both with portable paths, never an absolute one: train/portable.py)
     train_log.jsonl      one row per step ("kind": "step") and per evaluation ("kind": "eval")
     eval/step_NNNN.json  the full `evaluate` metrics of each evaluation
     checkpoints/         every --save-every steps (LoRA: the adapter only)
@@ -33,12 +34,14 @@ from ..probe import probe_policy
 from ..protocol import STICK, tool_call_text
 from ..policies.torch.forward import causal_lm
 from ..policies.torch.logprobs import token_logprobs
+from ..policies.torch.base_ref import CONFIG, check_base
 from ..policies.torch.lora_stack import adapter_files, fold_adapter, save_lora
 from ..policies.torch.model import add_lora, export_model, load_adapter_weights, save_adapter
 from ..policies.torch.policy import TorchPolicy
 from .grpo import LossConfig, action_balance, carries_signal, group_loss, merge_groups, scalar_advantages, weighted
 from .metrics import batch_metrics, eval_summary
 from .plot import plot_log
+from .portable import portable_argv, portable_values
 from .sources import ApiSource, GroupSource, LocalSource
 
 
@@ -174,12 +177,13 @@ def evaluate_policy(player: Player, settings: Settings, step: int, out: Path) ->
 
 
 def checkpoint(model: Any, policy: TorchPolicy, path: Path, state: dict[str, Any] | None = None,
-               over: Path | None = None) -> None:
-    """The model (LoRA: the adapter only, stacked `over` a --base-adapter), and with `state` what
-    resuming needs: the trained parameters, the optimizer, the step, and the random states of the
-    deal stream and torch."""
+               over: Path | None = None, base: str | None = None) -> None:
+    """The model (LoRA: the adapter only, stacked `over` a --base-adapter, over `base`: the
+    --model-path the run started from, None for the embedded GGUF), and with `state` what resuming
+    needs: the trained parameters, the optimizer, the step, and the random states of the deal
+    stream and torch."""
     if hasattr(model, "peft_config"):
-        save_lora(model, path, over)  # the adapter; the base is the --model-path the run started from
+        save_lora(model, path, over, base)
         policy.tokenizer.tok.save_pretrained(str(path))
     else:
         export_model(model, policy.tokenizer, path)
@@ -290,9 +294,13 @@ def run_training(
         raise ValueError("training needs the torch policy (--policy hf)")
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "command.txt").write_text("blackjack-rl " + shlex.join(argv or []) + "\n", encoding="utf-8")
-    (out / "settings.json").write_text(settings.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    (out / "command.txt").write_text("blackjack-rl " + shlex.join(portable_argv(argv or [], out)) + "\n",
+                                     encoding="utf-8")
+    (out / "settings.json").write_text(
+        json.dumps(portable_values(settings.model_dump(mode="json"), out), indent=2, ensure_ascii=False) + "\n",
+        encoding="utf-8")
     torch.manual_seed(settings.seed)
+    base = settings.policy.model_path  # the model the run starts from (None: the embedded GGUF)
 
     if t.base_adapter is not None:
         if not t.lora:
@@ -300,10 +308,12 @@ def run_training(
         if t.init_adapter is not None:
             raise ValueError("use one of --base-adapter (a fresh adapter over a saved one) and --init-adapter "
                              "(continue a saved adapter)")
-        policy.model = fold_adapter(policy.model, t.base_adapter)
+        policy.model = fold_adapter(policy.model, t.base_adapter, base)
         progress(f"a fresh LoRA adapter trains over {t.base_adapter}")
     model = make_trainable(policy.model, settings)
     if t.init_adapter is not None:
+        adapter_files(t.init_adapter)
+        check_base(t.init_adapter, base)
         load_adapter_weights(model, t.init_adapter)
         progress(f"LoRA adapters start from {t.init_adapter}")
     policy.model = model  # the model that samples is the model that learns
@@ -339,6 +349,8 @@ def run_training(
     start = 1
     if t.resume is not None:
         state = load_trainer_state(t.resume)
+        if (Path(t.resume) / CONFIG).is_file():  # a LoRA checkpoint: trained over the same base model?
+            check_base(t.resume, base)
         if state.get("base_adapter") != _adapter_id(t.base_adapter):
             raise ValueError(f"{t.resume} was trained over another --base-adapter (or none): resume with the "
                              "--base-adapter it was trained over")
@@ -436,7 +448,7 @@ def run_training(
                 out_of_time = t.max_minutes is not None and row["elapsed"] > 60 * t.max_minutes
                 if t.save_every and step % t.save_every == 0:
                     checkpoint(model, policy, out / "checkpoints" / f"step_{step:04d}", trainer_state(step),
-                               t.base_adapter)
+                               t.base_adapter, base)
                 if out_of_time:
                     result.stopped = "time"
                     progress(f"stopping after {row['elapsed'] / 60:.1f} min (--max-minutes {t.max_minutes})")
@@ -449,8 +461,7 @@ def run_training(
             source.close()
         evaluate(result.steps)
     if hasattr(model, "peft_config"):  # first: the small file a run is kept for
-        result.adapter_dir = save_adapter(model, policy.tokenizer, out / "adapter", settings.policy.model_path,
-                                          t.base_adapter)
+        result.adapter_dir = save_adapter(model, policy.tokenizer, out / "adapter", base, t.base_adapter)
     result.model_dir = export_model(model, policy.tokenizer, out / "model")
     result.plot = plot_log(
         log_path,

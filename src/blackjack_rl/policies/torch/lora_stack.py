@@ -23,8 +23,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .base_ref import CONFIG, FIELD, check_base, lora_config, write_base_reference
+
 WEIGHTS = "adapter_model.safetensors"
-CONFIG = "adapter_config.json"
 
 
 def adapter_files(path: str | Path) -> tuple[Path, Path]:
@@ -37,12 +38,14 @@ def adapter_files(path: str | Path) -> tuple[Path, Path]:
     return weights, config
 
 
-def fold_adapter(model: Any, path: str | Path) -> Any:
-    """`model` (plain, not yet wrapped) with the saved adapter in `path` added into its weights."""
+def fold_adapter(model: Any, path: str | Path, base: str | Path | None = None) -> Any:
+    """`model` (plain, not yet wrapped, loaded from `base`; None: the embedded GGUF) with the saved
+    adapter in `path` added into its weights; one clear error if it was trained on another base."""
     from peft import PeftModel
 
     adapter_files(path)
-    return PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+    check_base(path, base)
+    return PeftModel.from_pretrained(model, str(path), config=lora_config(path)).merge_and_unload()
 
 
 def lora_scale(config: dict[str, Any]) -> float:
@@ -113,12 +116,14 @@ def stacked_config(configs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def save_lora(model: Any, out: str | Path, over: str | Path | None = None) -> None:
-    """Save `model`'s (peft) adapter; with `over`, as the stack over that adapter."""
+def save_lora(model: Any, out: str | Path, over: str | Path | None = None, base: str | Path | None = None) -> None:
+    """Save `model`'s (peft) adapter; with `over`, as the stack over that adapter. Its config names
+    `base` (the model the run started from; None: the embedded GGUF) portably (`base_ref`)."""
     if over is None:
         model.save_pretrained(str(out))
     else:
         save_stacked(model, over, out)
+    write_base_reference(out, base)
 
 
 def save_stacked(model: Any, base: str | Path, out: str | Path) -> None:
@@ -134,7 +139,7 @@ def save_stacked(model: Any, base: str | Path, out: str | Path) -> None:
     parts, configs = [], []
     for folder in (base, fresh):
         weights, config = adapter_files(folder)
-        configs.append(json.loads(config.read_text(encoding="utf-8")))
+        configs.append({k: v for k, v in json.loads(config.read_text(encoding="utf-8")).items() if k != FIELD})
         parts.append((load_file(str(weights)), lora_scale(configs[-1])))
     tmp = out / (WEIGHTS + ".tmp")
     save_file(stacked_weights(parts), str(tmp), metadata={"format": "pt"})

@@ -20,7 +20,8 @@ import torch
 
 from ...tokens import HFTokenizer, embedded_model_path
 from .forward import causal_lm, check_architecture
-from .lora_stack import adapter_files, save_lora
+from .base_ref import check_base, resolve_base
+from .lora_stack import adapter_files, fold_adapter, save_lora
 
 log = logging.getLogger(__name__)
 
@@ -112,16 +113,17 @@ def load_model(path: str | Path | None = None) -> tuple[Any, HFTokenizer]:
 
 
 def load_adapter(path: Path) -> tuple[Any, HFTokenizer]:
-    """A LoRA adapter folder saved by `train --lora` (OUT/adapter): its base model, named in
-    `base_model.txt` (empty: the embedded GGUF), with the adapter folded in."""
+    """A LoRA adapter folder saved by `train --lora` (OUT/adapter): the base model it names
+    (`base_ref`: the embedded GGUF, or the --model-path it was trained on), checked by content
+    hash, with the adapter folded in."""
     try:
-        from peft import PeftModel
+        import peft  # noqa: F401
     except ImportError as exc:
         raise ImportError("a LoRA adapter needs peft: pip install 'blackjack-rl[train]'") from exc
-    base_file = path / "base_model.txt"
-    base = base_file.read_text(encoding="utf-8").strip() if base_file.is_file() else ""
-    model, tokenizer = load_model(base or None)
-    model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+    base = resolve_base(path)
+    check_base(path, base)  # before the base model loads
+    model, tokenizer = load_model(base)
+    model = fold_adapter(model, path, base)
     model.eval()
     tokenizer.name = path.name
     return model, tokenizer
@@ -130,11 +132,11 @@ def load_adapter(path: Path) -> tuple[Any, HFTokenizer]:
 def save_adapter(model: Any, tokenizer: HFTokenizer, out_dir: str | Path, base: str | None,
                  over: str | Path | None = None) -> Path:
     """The LoRA adapter alone (a few MB), loadable by `--policy hf --model-path OUT_DIR`; with
-    `over`, stacked on the adapter it was trained over (`lora_stack`)."""
+    `over`, stacked on the adapter it was trained over (`lora_stack`). `base` is the model the run
+    started from (None: the embedded GGUF), named by name and content hash (`base_ref`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_lora(model, out, over)
-    (out / "base_model.txt").write_text((base or "") + "\n", encoding="utf-8")
+    save_lora(model, out, over, base)
     return out
 
 
