@@ -291,6 +291,57 @@ def test_a_silent_environment_stops_holding_its_share(tmp_path: Path) -> None:
         store.close()
 
 
+def test_every_request_naming_an_environment_renews_its_lease(tmp_path: Path) -> None:
+    """Polls and posts (a retried one too) are heard; silence longer than the lease is not."""
+    clock = Clock()
+    store = _started_store(tmp_path, clock)  # lease 30 s
+    try:
+        owed = store.register_env(RegisterEnv(max_token_length=512, desired_name="bj", group_size=4,
+                                              min_batch_allocation=0.5))["env_id"]
+        other = store.register_env(RegisterEnv(max_token_length=512, desired_name="bj", group_size=4))["env_id"]
+
+        def still_owed() -> bool:
+            return store.status_env(other)["unallocated_fraction"] == 0.5
+
+        raw = json.dumps(make_group(env_id=owed, uid="retried")).encode()
+        groups = prepare_groups(raw, "identity", store.context, as_list=False, max_bytes=10**7)
+        heartbeats = [
+            lambda: store.status_env(owed),
+            lambda: _post(store, owed, "posted"),
+            lambda: store.enqueue(groups, as_list=False, idempotency_key="k", generation=store.generation),
+            lambda: store.enqueue(groups, as_list=False, idempotency_key="k", generation=store.generation),  # replayed
+        ]
+        for beat in heartbeats:
+            clock.now += 20
+            beat()
+            clock.now += 20  # 40 s since the one before, 20 s since this one
+            assert still_owed()
+        clock.now += 31
+        assert not still_owed()
+        store.status_env(owed)
+        assert still_owed()
+        store.disconnect_env(owed)  # heard, and gone
+        assert not still_owed()
+    finally:
+        store.close()
+
+
+def test_the_default_lease_is_a_few_worker_polls() -> None:
+    """Three polls of `blackjack-rl serve` (one a second): a dead worker's share is released within 10 s."""
+    from blackjack_rl.api.store import DEFAULT_ENV_LEASE_S
+    from blackjack_rl.config import ServeConfig
+
+    default = ApiConfig.model_fields["env_lease_s"].default
+    assert default == DEFAULT_ENV_LEASE_S
+    assert 2 * ServeConfig().poll_interval < default <= 10
+
+
+@pytest.mark.parametrize("value", [0.1, 0, -1, float("nan"), float("inf"), 1e9])
+def test_an_env_lease_out_of_bounds_is_refused(value: float) -> None:
+    with pytest.raises(ValueError, match="env_lease_s"):
+        ApiConfig(env_lease_s=value)
+
+
 def test_a_worker_that_registers_again_takes_over_its_registration(tmp_path: Path) -> None:
     clock = Clock()
     store = _started_store(tmp_path, clock)

@@ -39,6 +39,28 @@ def test_invalid_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "max_queued_sequences" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["--env-lease", "0.1"], ["--env-lease", "nan"], ["--env-lease", "1e9"],
+                                  ["--env-lease", "soon"]])
+def test_an_env_lease_out_of_bounds_is_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse: not a number at all
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and "--env-lease" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_env_lease_from_the_environment_is_checked_too(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("BLACKJACK_RL_API_ENV_LEASE_S", "0")
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "env_lease_s" in err and "greater than or equal to 0.5" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("BLACKJACK_RL_API_ENV_LEASE_S", "5")
+    assert config_from_args(build_parser().parse_args([])).env_lease_s == 5.0
+    assert config_from_args(build_parser().parse_args(["--env-lease", "7"])).env_lease_s == 7.0
+
+
 def run_api_cli(db: Path) -> subprocess.CompletedProcess[str]:
     """`python -m blackjack_rl.api --db DB` on a free port; it is expected to refuse and exit."""
     return subprocess.run([sys.executable, "-m", "blackjack_rl.api", "--db", str(db), "--port", "0"],

@@ -165,7 +165,15 @@ def test_heterogeneous_groups_pack_into_exact_batches(client: TestClient) -> Non
     assert client.get("/status").json()["queue_size"] == 2
 
 
-def test_min_batch_allocation_is_honoured(client: TestClient) -> None:
+@pytest.fixture
+def patient_client(tmp_path: Path) -> Iterator[TestClient]:
+    """An app whose environments stay owed their share however slowly the test runs (the lease has its own tests)."""
+    with TestClient(create_app(ApiConfig(db_path=tmp_path / "api.sqlite", env_lease_s=3600))) as c:
+        yield c
+
+
+def test_min_batch_allocation_is_honoured(patient_client: TestClient) -> None:
+    client = patient_client
     start(client, batch_size=8)
     big = register_env(client, 4, desired_name="big")
     small = register_env(client, 2, desired_name="small", min_batch_allocation=0.5)
@@ -178,6 +186,52 @@ def test_min_batch_allocation_is_honoured(client: TestClient) -> None:
     assert uids(batch) == ["big0", "small0", "small1"]
     status = client.get("/status-env", params={"env_id": big}).json()
     assert status["unallocated_fraction"] == 0.5
+
+
+def test_status_env_counts_the_queue_as_run_api_holds_it(tmp_path: Path) -> None:
+    """A group of another size than its environment's group_size is queued, and batched, at once; run-api
+    holds it back until some such groups add up to group_size, and /status-env counts it as run-api does."""
+    db = tmp_path / "api.sqlite"
+
+    def status(c: TestClient, env: int) -> dict[str, Any]:
+        answer = c.get("/status-env", params={"env_id": env}).json()
+        return {k: answer[k] for k in ("max_group_size", "self_queue_size", "queue_size")}
+
+    def post(c: TestClient, n: int, env: int | None, uid: str) -> None:
+        assert c.post("/scored_data", json=make_group(n=n, env_id=env, uid=uid)).status_code == 200
+
+    with TestClient(create_app(ApiConfig(db_path=db))) as c:
+        start(c, batch_size=8)
+        env = register_env(c, 4)
+        post(c, 2, env, "two")  # 2 of 4 sequences survived
+        assert status(c, env) == {"max_group_size": 1, "self_queue_size": 0, "queue_size": 0}
+        assert c.get("/status").json()["queue_size"] == 1  # queued all the same
+        post(c, 1, env, "one")
+    with TestClient(create_app(ApiConfig(db_path=db))) as c:  # a restart keeps what run-api would hold
+        assert status(c, env) == {"max_group_size": 1, "self_queue_size": 0, "queue_size": 0}
+        post(c, 1, env, "one more")  # 2 + 1 + 1: run-api releases the three
+        assert status(c, env) == {"max_group_size": 2, "self_queue_size": 1, "queue_size": 1}
+        post(c, 4, env, "four")
+        assert status(c, env) == {"max_group_size": 4, "self_queue_size": 2, "queue_size": 2}
+        assert uids(c.get("/batch").json()["batch"]) == ["two", "one", "one more", "four"]
+        # A held group that a batch takes is no longer held: the next 2 has nothing to add up with.
+        post(c, 2, env, "held")
+        post(c, 2, None, "no env")
+        post(c, 4, None, "no env 4")
+        assert uids(c.get("/batch").json()["batch"]) == ["held", "no env", "no env 4"]
+        post(c, 2, env, "alone")
+        assert status(c, env) == {"max_group_size": 1, "self_queue_size": 0, "queue_size": 0}
+
+
+def test_status_env_of_groups_of_one_sequence(client: TestClient) -> None:
+    """run-api's arithmetic: while every queued group has one sequence, other environments' count for nothing."""
+    start(client, batch_size=4)
+    a = register_env(client, 1, desired_name="a")
+    b = register_env(client, 1, desired_name="b")
+    for i in range(3):
+        assert client.post("/scored_data", json=make_group(n=1, env_id=a, uid=f"a{i}")).status_code == 200
+    assert client.get("/status-env", params={"env_id": b}).json()["queue_size"] == 0
+    assert client.get("/status-env", params={"env_id": a}).json()["queue_size"] == 3
 
 
 def test_status_env_by_query_or_json_body(client: TestClient) -> None:

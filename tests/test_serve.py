@@ -176,12 +176,12 @@ def test_a_restarted_worker_continues_its_deals(tmp_path):
 def test_a_killed_worker_with_a_minimum_share_never_stalls_training(tmp_path, restart):
     """SIGKILL a worker that is owed half of every batch: training goes on, and nothing comes twice.
 
-    Restarted with its --worker-id, it takes over its registration (the API's lease is far
-    longer than this test, so only the takeover can keep batches coming); without takeover
-    the dead registration stays owed its share and no batch forms again. Dead for good, its
-    share lapses with the API's lease (2 s here).
+    Restarted with its --worker-id, it takes over its registration (the API's lease is made
+    far longer than this test here, so only the takeover can keep batches coming); without
+    takeover the dead registration stays owed its share and no batch forms again. Dead for
+    good, its share lapses with the API's default lease (tests/test_api_lease.py counts how soon).
     """
-    api = ServerProcess(tmp_path / "api.sqlite", args=[] if restart else ["--env-lease", "2"]).start()
+    api = ServerProcess(tmp_path / "api.sqlite", args=["--env-lease", "3600"] if restart else []).start()
     a = b = None
     try:
         trainer = TrainerClient(api.url)

@@ -153,3 +153,38 @@ def form_batch(
     if rest is None:
         return None
     return sorted(taken + rest, key=lambda c: c.id)
+
+
+def runapi_buffer_release(sizes: Sequence[int], target: int) -> list[int]:
+    """The groups that Atropos' run-api releases from an environment's buffer, as indices into `sizes`.
+
+    run-api holds a group whose size differs from its environment's `group_size` in a
+    per-environment buffer, and after each post releases the groups that
+    `find_groups_summing_to_target(buffer, group_size)` picks: the first FIFO run that fits
+    and sums to `target`, else the subset its dynamic programme backtracks to (it takes the
+    newest groups it can), else none. This is that function, with bitsets for its table;
+    `/status-env` uses it to count queued groups as run-api would.
+    """
+    total = 0
+    greedy: list[int] = []
+    for i, size in enumerate(sizes):
+        if total + size <= target:
+            greedy.append(i)
+            total += size
+            if total == target:
+                return greedy
+    full = (1 << (target + 1)) - 1
+    reach = [1]  # bit j of reach[i]: some subset of the first i groups sums to j
+    for size in sizes:
+        prev = reach[-1]
+        reach.append((prev | (prev << size)) & full)
+    if not (reach[-1] >> target) & 1:
+        return []
+    picked: list[int] = []
+    j = target
+    for i in range(len(sizes), 0, -1):
+        size = sizes[i - 1]
+        if j >= size and (reach[i - 1] >> (j - size)) & 1:
+            picked.append(i - 1)
+            j -= size
+    return sorted(picked)

@@ -73,12 +73,16 @@ class ApiConfig(BaseSettings):
         json_schema_extra={"flag": "--idempotency-ttl", "metavar": "SECONDS"},
     )
     env_lease_s: float = Field(
-        120.0,
-        gt=0,
+        3.0,
+        ge=0.5,
         le=7 * 24 * 3600,
-        description="An environment not heard from (status-env, posts, registration) for this long no "
-        "longer holds its min_batch_allocation share of batches, so a worker that died without "
-        "disconnecting cannot stall training. It regains its share when it is heard from again.",
+        allow_inf_nan=False,
+        description="An environment silent this long (no request naming its env_id: status-env, posts, "
+        "registration, disconnect-env) no longer holds its min_batch_allocation share of batches, so a "
+        "worker killed without disconnecting stalls training for at most this long; its queued groups "
+        "are still delivered, and it is owed its share again when it is heard from. Keep it at about "
+        "three of your workers' /status-env polls (`blackjack-rl serve` polls every second, atroposlib's "
+        "workers several times a second).",
         json_schema_extra={"flag": "--env-lease", "metavar": "SECONDS"},
     )
     ingest_workers: int | None = Field(

@@ -31,13 +31,24 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .dblock import DatabaseLock, take_lock
-from .batching import Candidate, divisors_text, form_batch, minimum_sequences, window_for
+from .batching import (
+    Candidate,
+    divisors_text,
+    form_batch,
+    minimum_sequences,
+    runapi_buffer_release,
+    window_for,
+)
 from .errors import ApiError
 from .ingest import IngestContext, PreparedGroup, known_envs_text
 from .models import Registration, RegisterEnv
 
 SCHEMA_VERSION = "1"
 MIN_ENV_WEIGHT = 0.01  # as Atropos: no environment's weight drops to zero
+#: Seconds an environment may stay silent and still be owed its min_batch_allocation share:
+#: three polls of `blackjack-rl serve` (one a second; atroposlib's workers poll several times
+#: a second). ApiConfig.env_lease_s (--env-lease) sets it.
+DEFAULT_ENV_LEASE_S = 3.0
 WAIT_FOR_TRAINER = "wait for trainer to start"
 
 _SCHEMA = """
@@ -104,9 +115,31 @@ class EnvRecord:
     min_batch_allocation: float | None
     connected: bool
     worker_id: str | None = None
-    #: Store.clock() at the last sign of life (registration, status-env, posted group); not
-    #: stored: after a restart of the API every environment starts a fresh lease.
+    #: Store.clock() at the last request that named it (registration, status-env, a posted
+    #: group, disconnect-env); not stored: after a restart of the API every environment starts
+    #: a fresh lease.
     last_seen: float = 0.0
+
+
+@dataclass
+class RunApiBuffer:
+    """The queued groups of one environment that Atropos' run-api would still hold back.
+
+    run-api keeps a group whose size differs from its environment's `group_size` out of its
+    queue, in a buffer, until some buffered groups add up to `group_size` (failed episodes
+    dropped: 2 + 1 + 1 of 4). Here such groups are queued and batched at once; this mirror of
+    run-api's buffer only lets `/status-env` count the queue exactly as run-api does.
+    """
+
+    groups: list[tuple[int, int]] = field(default_factory=list)  # (queue id, size), oldest first
+    target: int = 0  # the group_size `reach` was computed for
+    reach: int = 1  # bit j: some of the groups add up to j (j <= target)
+
+    def rebuild(self, target: int) -> None:
+        self.target, self.reach = target, 1
+        full = (1 << (target + 1)) - 1
+        for _, size in self.groups:
+            self.reach = (self.reach | (self.reach << size)) & full
 
 
 @dataclass
@@ -138,6 +171,10 @@ class Mirror:
     envs: dict[int, EnvRecord] = field(default_factory=dict)
     counts: Counter[tuple[int | None, int]] = field(default_factory=Counter)  # (env, size) -> groups
     inflight: InFlight | None = None
+    #: Queued groups run-api would still buffer, per environment; `held` counts them like `counts`.
+    buffers: dict[int, RunApiBuffer] = field(default_factory=dict)
+    held: Counter[tuple[int | None, int]] = field(default_factory=Counter)
+    held_ids: set[int] = field(default_factory=set)
 
     @property
     def queued_groups(self) -> int:
@@ -159,7 +196,7 @@ class Store:
         max_queued_sequences: int = 100_000,
         retry_after_s: int = 2,
         idempotency_ttl_s: float = 86_400.0,
-        env_lease_s: float = 120.0,
+        env_lease_s: float = DEFAULT_ENV_LEASE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = Path(path)
@@ -244,6 +281,13 @@ class Store:
         if row is not None:
             m.inflight = InFlight(row[0], row[1], bool(row[2]))
         self.mirror = m
+        # run-api's buffers, replayed from the queued groups of other sizes (exact until a
+        # batch took some of them; from then on run-api's queue differs anyway).
+        for queue_id, env_id, size in self.db.execute(
+            "SELECT q.id, q.env_id, q.n_seq FROM queue q JOIN envs e ON e.env_id = q.env_id "
+            "WHERE q.batch_id IS NULL AND q.n_seq != e.group_size ORDER BY q.id"
+        ):
+            self._buffer_like_runapi(env_id, queue_id, size)
         self.queued_sequences_hint = m.queued_sequences
         latest = self.db.execute("SELECT fmt, data, suffix FROM payloads ORDER BY id DESC LIMIT 1").fetchone()
         if latest is not None:
@@ -419,6 +463,7 @@ class Store:
 
     def disconnect_env(self, env_id: int) -> dict[str, Any]:
         env = self._env(env_id)
+        self._seen(env_id)
         self.db.execute("UPDATE envs SET connected=0 WHERE env_id=?", (env_id,))
         env.connected = False
         return {"status": "success"}
@@ -472,8 +517,10 @@ class Store:
                 f"trainer; retry after {self.retry_after_s} s",
                 {"Retry-After": str(self.retry_after_s)},
             )
+        queue_ids: list[int] = []
         for g in groups:
             cur = self.db.execute("INSERT INTO queue(env_id, n_seq) VALUES(?, ?)", (g.env_id, g.n_seq))
+            queue_ids.append(int(cur.lastrowid or 0))
             self.db.execute(
                 "INSERT INTO payloads(id, fmt, suffix, data) VALUES(?, ?, ?, ?)", (cur.lastrowid, g.fmt, g.suffix, g.data)
             )
@@ -489,8 +536,9 @@ class Store:
             self.db.execute("DELETE FROM idempotency WHERE created_at < ?", (now - self.idempotency_ttl_s,))
             self._enqueues_since_prune = 0
         self._enqueues_since_prune += 1
-        for g in groups:
+        for g, queue_id in zip(groups, queue_ids):
             m.counts[(g.env_id, g.n_seq)] += 1
+            self._buffer_like_runapi(g.env_id, queue_id, g.n_seq)
         self.queued_sequences_hint = m.queued_sequences
         if groups:
             last = groups[-1]
@@ -505,6 +553,48 @@ class Store:
                 raise ApiError(503, "the trainer registration changed while this post was checked; send it again")
             if g.env_id is not None and g.env_id not in ctx.env_group_sizes:
                 raise ApiError(422, f"env_id {g.env_id} is not registered here; register with POST /register-env")
+
+    def _buffer_like_runapi(self, env_id: int | None, queue_id: int, size: int) -> None:
+        """Follow run-api's buffer for a group just queued: hold it there if its size is not its
+        environment's group_size, then release what run-api would release after this post."""
+        m = self.mirror
+        env = m.envs.get(env_id) if env_id is not None else None
+        if env is None or size == env.group_size:
+            return  # run-api queues it at once
+        buffer = m.buffers.setdefault(env.env_id, RunApiBuffer())
+        buffer.groups.append((queue_id, size))
+        m.held[(env_id, size)] += 1
+        m.held_ids.add(queue_id)
+        if buffer.target != env.group_size:
+            buffer.rebuild(env.group_size)
+        else:
+            buffer.reach = (buffer.reach | (buffer.reach << size)) & ((1 << (buffer.target + 1)) - 1)
+        if not (buffer.reach >> buffer.target) & 1:
+            return  # nothing adds up to group_size: run-api releases nothing (the usual case, in O(1))
+        picked = runapi_buffer_release([s for _, s in buffer.groups], buffer.target)
+        self._unbuffer([Candidate(buffer.groups[i][0], env_id, buffer.groups[i][1]) for i in picked])
+
+    def _unbuffer(self, groups: list[Candidate]) -> None:
+        """Groups leave run-api's buffer: released into its queue, or (here only) batched."""
+        m = self.mirror
+        if not groups:
+            return
+        gone = {c.id for c in groups}
+        for c in groups:
+            key = (c.env_id, c.size)
+            m.held[key] -= 1
+            if m.held[key] <= 0:
+                del m.held[key]
+        m.held_ids -= gone
+        for env_id in {c.env_id for c in groups}:
+            buffer = m.buffers.get(env_id) if env_id is not None else None
+            if buffer is None:
+                continue
+            buffer.groups = [g for g in buffer.groups if g[0] not in gone]
+            if buffer.groups:
+                buffer.rebuild(buffer.target)
+            else:
+                del m.buffers[env_id]
 
     # --- batches --------------------------------------------------------------------------
 
@@ -561,6 +651,7 @@ class Store:
                 m.counts[key] -= 1
                 if m.counts[key] == 0:
                     del m.counts[key]
+            self._unbuffer([c for c in chosen or () if c.id in m.held_ids])
             m.step = result.step
             m.inflight = InFlight(result.batch_id, result.step, False)
             self.queued_sequences_hint = m.queued_sequences
@@ -635,19 +726,24 @@ class Store:
             for e in connected
             if e.min_batch_allocation is not None
         }
-        max_group = max([1] + [size for _, size in m.counts])
-        own_group = max([me.group_size] + [size for env, size in m.counts if env == env_id])
+        # The queue as run-api holds it (without the groups it would still buffer), and run-api's
+        # arithmetic on it, step for step, so atroposlib workers budget alike against both.
+        queued = m.counts - m.held if m.held else m.counts
+        max_group = max([1] + [size for _, size in queued])
+        own_group = max([me.group_size] + [size for env, size in queued if env == env_id])
         own = 0
         others: Counter[int | None] = Counter()
-        for (env, size), n in m.counts.items():
+        for (env, size), n in queued.items():
             if env == env_id:
                 own += size * n
             else:
                 others[env] += size * n
-        available = sum(
-            max(0, math.ceil(seqs / max_group) * max_group - (owed.get(env, 0) if env is not None else 0))
-            for env, seqs in others.items()
-        )
+        available = 0
+        if max_group > 1:  # run-api counts no other environment's groups while every group has one sequence
+            available = sum(
+                max(0, math.ceil(seqs / max_group) * max_group - (owed.get(env, 0) if env is not None else 0))
+                for env, seqs in others.items()
+            )
         return {
             "current_step": m.step,
             "queue_size": (own + available) // own_group,
