@@ -20,9 +20,9 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from blackjack_rl.env import BlackjackEnv, EnvSettings, solution_for
-from blackjack_rl.game import Rules, Table
-from blackjack_rl.protocol import tool_call_text
+from blackjack_rl.env import BlackjackEnv, solution_for
+from blackjack_rl.game.table import Rules, Table
+from blackjack_rl.contract.protocol import tool_call_text
 
 SOLUTION = solution_for(Rules())
 
@@ -52,9 +52,9 @@ def core(seeds: range) -> int:
 
 
 def episode_loop(seeds: range) -> int:
-    from blackjack_rl.episode import play_episode
+    from blackjack_rl.rollout.episodes import play_episode
     from blackjack_rl.policies.bots import OptimalBot
-    from blackjack_rl.tokens import ChatFormat, LlamaCppTokenizer, embedded_model_path
+    from blackjack_rl.contract.tokens import ChatFormat, LlamaCppTokenizer, embedded_model_path
 
     chat = ChatFormat.learn(LlamaCppTokenizer.from_gguf(embedded_model_path()))
     table, bot = Table(Rules()), OptimalBot(SOLUTION)

@@ -36,7 +36,7 @@ from baseline import load  # noqa: E402
 from gguf_tokenizer import build_hf_tokenizer  # noqa: E402
 from mock_openai_server import MockServer, blackjack_answers, write_config  # noqa: E402
 
-from blackjack_rl.tokens import ChatFormat, HFTokenizer, embedded_model_path  # noqa: E402
+from blackjack_rl.contract.tokens import ChatFormat, HFTokenizer, embedded_model_path  # noqa: E402
 
 GROUP_SIZE = 16
 

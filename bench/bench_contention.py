@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from blackjack_rl.policies.threads import _busy_seconds, usable_cpus
+from blackjack_rl.threads import _busy_seconds, usable_cpus
 
 
 def others_busy(seconds: float = 1.0) -> float:

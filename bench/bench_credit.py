@@ -20,13 +20,15 @@ import random
 import statistics
 import time
 
+from blackjack_rl.config import GroupConfig
 from blackjack_rl.config import load_settings
-from blackjack_rl.groups import Player, play_group
+from blackjack_rl.rollout.groups import play_group
+from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.bots import OptimalBot
-from blackjack_rl.players import build_player
-from blackjack_rl.jobs import group_seeds
-from blackjack_rl.stepgroups import play_step_groups
-from blackjack_rl.tokens import MASKED
+from blackjack_rl.rollout.players import build_player
+from blackjack_rl.rollout.runner import group_seeds
+from blackjack_rl.rollout.stepgroups import play_step_groups
+from blackjack_rl.contract.tokens import MASKED
 
 
 class EpsilonBot(OptimalBot):
@@ -56,7 +58,7 @@ def run(player: Player, label: str, deals: int, group_size: int) -> None:
     seeds = group_seeds(1234, deals)
 
     async def whole():
-        return [await play_group(player, s, group_size) for s in seeds]
+        return [await play_group(player, s, GroupConfig(group_size=group_size)) for s in seeds]
 
     t0 = time.perf_counter()
     results = asyncio.run(whole())
@@ -67,7 +69,7 @@ def run(player: Player, label: str, deals: int, group_size: int) -> None:
         print(f"[{label}] episode groups, {mode:8s}: {_stats(rows, seconds)}")
 
     async def steps():
-        return [await play_step_groups(player, s, group_size) for s in seeds]
+        return [await play_step_groups(player, s, GroupConfig(credit="step", group_size=group_size)) for s in seeds]
 
     t0 = time.perf_counter()
     step_deals = asyncio.run(steps())

@@ -57,13 +57,13 @@ def main_job(src: Path | None, deals: int, out: Path) -> tuple[float, dict]:
 
 
 def token_rates(n_prompts: int) -> None:
-    from blackjack_rl.episode import opening_messages
-    from blackjack_rl.game import Rules, Table
+    from blackjack_rl.rollout.episodes import opening_messages
+    from blackjack_rl.game.table import Rules, Table
     from blackjack_rl.policies.base import Turn
     from blackjack_rl.policies.embedded import EmbeddedPolicy
     from blackjack_rl.policies.llama_load import load_llama
     from blackjack_rl.policies.sampling import Sampling
-    from blackjack_rl.policies.threads import usable_cpus
+    from blackjack_rl.threads import usable_cpus
 
     policy = EmbeddedPolicy(sampling=Sampling(temperature=1.0), n_ctx=1024, n_threads=usable_cpus())
     table = Table(Rules())

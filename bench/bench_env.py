@@ -18,13 +18,14 @@ import asyncio
 import time
 
 from blackjack_rl.config import load_settings
-from blackjack_rl.episode import play_episode
-from blackjack_rl.evaluate import compute_metrics, run_evaluation
-from blackjack_rl.game import Rules, Table
-from blackjack_rl.groups import Player
+from blackjack_rl.rollout.episodes import play_episode
+from blackjack_rl.measure.evaluation import compute_metrics
+from blackjack_rl.rollout.runner import run_evaluation
+from blackjack_rl.game.table import Rules, Table
+from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.bots import OptimalBot
-from blackjack_rl.players import build_player
-from blackjack_rl.solver import solve
+from blackjack_rl.rollout.players import build_player
+from blackjack_rl.game.solver import solve
 
 
 def bench_cpu_per_episode(n: int) -> None:

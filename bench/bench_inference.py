@@ -37,16 +37,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from mock_openai_server import MockServer, blackjack_answers, write_config  # noqa: E402
 
-from blackjack_rl.evaluate import run_evaluation  # noqa: E402
-from blackjack_rl.game import Rules  # noqa: E402
-from blackjack_rl.groups import Player, play_group  # noqa: E402
+from blackjack_rl.config import GroupConfig
+from blackjack_rl.rollout.runner import run_evaluation  # noqa: E402
+from blackjack_rl.game.table import Rules  # noqa: E402
+from blackjack_rl.rollout.groups import play_group  # noqa: E402
+from blackjack_rl.rollout.players import Player  # noqa: E402
 from blackjack_rl.policies.base import Reply, Turn  # noqa: E402
 from blackjack_rl.policies.openai_chat import OpenAIChatPolicy  # noqa: E402
 from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy  # noqa: E402
 from blackjack_rl.policies.pool import ServerPool, ServerSpec  # noqa: E402
 from blackjack_rl.policies.sampling import Sampling  # noqa: E402
-from blackjack_rl.solver import solve  # noqa: E402
-from blackjack_rl.tokens import ChatFormat, HFTokenizer, LlamaCppTokenizer, embedded_model_path  # noqa: E402
+from blackjack_rl.game.solver import solve  # noqa: E402
+from blackjack_rl.contract.tokens import ChatFormat, HFTokenizer, LlamaCppTokenizer, embedded_model_path  # noqa: E402
 
 
 class NaivePolicy:
@@ -90,7 +92,7 @@ async def play_groups(player: Player, n_groups: int, group_size: int, concurrenc
     seed = 0
     while seed < n_groups or pending:
         while seed < n_groups and len(pending) < window:
-            pending.append(asyncio.create_task(play_group(player, seed, group_size, limiter=limiter)))
+            pending.append(asyncio.create_task(play_group(player, seed, GroupConfig(group_size=group_size), limiter=limiter)))
             seed += 1
         result = await pending.pop(0)
         played += len(result.episodes)

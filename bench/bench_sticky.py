@@ -36,15 +36,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from mock_openai_server import free_port  # noqa: E402
 
-from blackjack_rl.episode import opening_messages  # noqa: E402
-from blackjack_rl.groups import Player, play_group  # noqa: E402
+from blackjack_rl.config import GroupConfig
+from blackjack_rl.rollout.episodes import opening_messages  # noqa: E402
+from blackjack_rl.rollout.groups import play_group  # noqa: E402
+from blackjack_rl.rollout.players import Player  # noqa: E402
 from blackjack_rl.policies.structured import structured_output_fields  # noqa: E402
 from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy  # noqa: E402
 from blackjack_rl.policies.pool import ServerPool, ServerSpec  # noqa: E402
 from blackjack_rl.policies.sampling import Sampling  # noqa: E402
-from blackjack_rl.solver import solve  # noqa: E402
-from blackjack_rl.game import Rules  # noqa: E402
-from blackjack_rl.tokens import ChatFormat, LlamaCppTokenizer, embedded_model_path  # noqa: E402
+from blackjack_rl.game.solver import solve  # noqa: E402
+from blackjack_rl.game.table import Rules  # noqa: E402
+from blackjack_rl.contract.tokens import ChatFormat, LlamaCppTokenizer, embedded_model_path  # noqa: E402
 
 PROMPT_EVAL = re.compile(r"prompt eval time\s*=\s*[\d.]+ ms /\s*(\d+) tokens")
 
@@ -106,7 +108,7 @@ def run_mode(sticky: bool, args: argparse.Namespace, chat: ChatFormat, gguf: Pat
             try:
                 limiter = asyncio.Semaphore(args.concurrency)
                 t0 = time.perf_counter()
-                results = await asyncio.gather(*(play_group(player, 1000 + seed, args.group_size, limiter=limiter)
+                results = await asyncio.gather(*(play_group(player, 1000 + seed, GroupConfig(group_size=args.group_size), limiter=limiter)
                                                  for seed in range(args.groups)))
                 return results, time.perf_counter() - t0, pool.snapshot()
             finally:

@@ -7,9 +7,9 @@ import os
 import pytest
 from helpers import build_hf_tokenizer, free_port, running_server
 
-from blackjack_rl.game import Rules
-from blackjack_rl.solver import solve
-from blackjack_rl.tokens import ChatFormat, LlamaCppTokenizer, embedded_model_path
+from blackjack_rl.game.table import Rules
+from blackjack_rl.game.solver import solve
+from blackjack_rl.contract.tokens import ChatFormat, LlamaCppTokenizer, embedded_model_path
 
 
 # Apps made in this process check posts in threads: a worker process costs each of the many

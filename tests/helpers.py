@@ -209,3 +209,12 @@ def build_hf_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
     return out_dir
+
+
+def deal_groups(player, seed: int, config):
+    """The groups one deal yields, played by the deal runner (no concurrency limit)."""
+    import asyncio
+
+    from blackjack_rl.rollout.runner import DealRunner
+
+    return asyncio.run(DealRunner(player, config).deal(seed)).groups

@@ -311,7 +311,7 @@ def main() -> None:
 def blackjack_answers(chat: Any) -> list[dict[str, Any]]:
     """Answers a Blackjack player might give, as ids of `chat`'s tokenizer: calls that hit or
     stick (closed by the end-of-turn id), a wordy invalid answer, and one that never ends."""
-    from blackjack_rl.protocol import HIT, STICK, tool_call_text
+    from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text
 
     eot = list(chat.end_of_turn_ids)
     texts = [(tool_call_text(HIT), 4, True), (tool_call_text(STICK), 4, True),

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from blackjack_rl.game import Rules
-from blackjack_rl.records import (
+from blackjack_rl.game.table import Rules
+from blackjack_rl.contract.records import (
     DecisionRecord,
     EpisodeRecord,
     MeanCI,

@@ -6,11 +6,11 @@ import gymnasium
 import pytest
 
 import blackjack_rl.adapters  # noqa: F401  (registers the Gymnasium id)
-from blackjack_rl.episode import EpisodeSettings
-from blackjack_rl.evaluate import eval_seeds, run_evaluation
-from blackjack_rl.groups import Player
+from blackjack_rl.rollout.episodes import EpisodeSettings
+from blackjack_rl.rollout.runner import eval_seeds, run_evaluation
+from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.base import Reply
-from blackjack_rl.protocol import HIT, STICK, parse_action, tool_call_text
+from blackjack_rl.contract.protocol import HIT, STICK, parse_action, tool_call_text
 
 OPTIONS = {"scoring": "expected", "format_bonus": 0.25}
 DEALS = 8

@@ -6,9 +6,9 @@ from gymnasium.utils.env_checker import check_env
 
 import blackjack_rl.adapters  # noqa: F401  (registers the id)
 from blackjack_rl.env import BlackjackEnv, EnvSettings
-from blackjack_rl.game import Rules
-from blackjack_rl.protocol import STICK, tool_call_text
-from blackjack_rl.solver import solve
+from blackjack_rl.game.table import Rules
+from blackjack_rl.contract.protocol import STICK, tool_call_text
+from blackjack_rl.game.solver import solve
 
 ENV_ID = "blackjack_rl/BlackjackText-v0"
 

@@ -13,9 +13,9 @@ from helpers import free_port, running_server  # noqa: E402
 
 from blackjack_rl.adapters.openenv import BlackjackAction, BlackjackOpenEnvClient  # noqa: E402
 from blackjack_rl.env import BlackjackEnv  # noqa: E402
-from blackjack_rl.protocol import HIT, STICK, tool_call_text  # noqa: E402
-from blackjack_rl.solver import solve  # noqa: E402
-from blackjack_rl.game import Rules  # noqa: E402
+from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text  # noqa: E402
+from blackjack_rl.game.solver import solve  # noqa: E402
+from blackjack_rl.game.table import Rules  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ skyrl_gym = pytest.importorskip("skyrl_gym", reason="the skyrl extra is not inst
 
 from blackjack_rl.adapters.skyrl_env import BlackjackSkyRLEnv, dataset_rows  # noqa: E402
 from blackjack_rl.env import BlackjackEnv, EnvSettings  # noqa: E402
-from blackjack_rl.game import Rules  # noqa: E402
-from blackjack_rl.protocol import HIT, STICK, tool_call_text  # noqa: E402
-from blackjack_rl.solver import solve  # noqa: E402
+from blackjack_rl.game.table import Rules  # noqa: E402
+from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text  # noqa: E402
+from blackjack_rl.game.solver import solve  # noqa: E402
 
 
 def test_make_plays_the_rows_deal_with_our_rewards():

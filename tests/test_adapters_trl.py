@@ -14,9 +14,9 @@ from blackjack_rl.adapters.trl_env import (  # noqa: E402
     trl_environment,
 )
 from blackjack_rl.env import BlackjackEnv, EnvSettings  # noqa: E402
-from blackjack_rl.game import Rules  # noqa: E402
-from blackjack_rl.protocol import TOOL_NAME, tool_call_text  # noqa: E402
-from blackjack_rl.solver import solve  # noqa: E402
+from blackjack_rl.game.table import Rules  # noqa: E402
+from blackjack_rl.contract.protocol import TOOL_NAME, tool_call_text  # noqa: E402
+from blackjack_rl.game.solver import solve  # noqa: E402
 
 
 def replay(seed: int, completion: list[dict], settings: EnvSettings = EnvSettings()) -> float:

@@ -17,9 +17,9 @@ pytest.importorskip("blackjack_rl_env", reason="the environment package is not i
 from helpers import free_port, poll_until  # noqa: E402
 
 from blackjack_rl.env import BlackjackEnv, EnvSettings  # noqa: E402
-from blackjack_rl.evaluate import eval_seeds  # noqa: E402
-from blackjack_rl.game import Rules  # noqa: E402
-from blackjack_rl.solver import solve  # noqa: E402
+from blackjack_rl.rollout.runner import eval_seeds  # noqa: E402
+from blackjack_rl.game.table import Rules  # noqa: E402
+from blackjack_rl.game.solver import solve  # noqa: E402
 
 VF_EVAL = str(Path(sys.executable).with_name("vf-eval"))
 

@@ -12,7 +12,7 @@ import pytest
 
 from blackjack_rl.policies.base import InferenceError, Turn
 from blackjack_rl.policies.openai_chat import OpenAIChatPolicy
-from blackjack_rl.protocol import HIT, tool_call_text
+from blackjack_rl.contract.protocol import HIT, tool_call_text
 from canned_server import CannedServer, chat_answer
 
 TURN = Turn([{"role": "user", "content": "hi"}], [], None, False, 0)

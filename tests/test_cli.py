@@ -220,7 +220,7 @@ def test_a_stopped_run_leaves_no_file_that_looks_complete(tmp_path, gguf_path):
     files remain to be mistaken for the new run's, and none of the new ones is half written."""
     from canned_server import CannedServer, chat_answer
 
-    from blackjack_rl.protocol import STICK, tool_call_text
+    from blackjack_rl.contract.protocol import STICK, tool_call_text
 
     out = tmp_path / "run"
     run("evaluate", "--policy", "optimal", "--episodes", "20", "--out", str(out), "--quiet")

@@ -190,7 +190,9 @@ def _at(settings, path):
 
 
 # Flags whose other values are only valid together with another flag (the models' validators).
-NEEDS = {"--starts": ["--group-by", "step"], "--decisions": ["--group-by", "step"]}
+NEEDS = {"--starts": ["--credit", "step"], "--decisions": ["--credit", "step"], "--continue-with": ["--credit", "step"],
+         "--balance-actions": ["--credit", "step"], "--scale-decisions": ["--credit", "step-tokens"],
+         "--format-weight": ["--credit", "step-tokens"]}
 
 
 @pytest.mark.parametrize("command", WITH_SETTINGS)

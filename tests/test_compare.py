@@ -6,9 +6,9 @@ from functools import partial
 import pytest
 from helpers import run_cli
 
-from blackjack_rl.compare import Run, check_comparable, compare_pair, pair_by_seed, paired_difference
-from blackjack_rl.game import Rules
-from blackjack_rl.solver import policy_outcome, solve
+from blackjack_rl.measure.compare import Run, check_comparable, compare_pair, pair_by_seed, paired_difference
+from blackjack_rl.game.table import Rules
+from blackjack_rl.game.solver import policy_outcome, solve
 from records_factory import metrics as _metrics
 from records_factory import sample_row
 
@@ -42,7 +42,7 @@ def test_pairing_removes_the_luck_both_runs_share():
     """Same deals, same outcome on most of them: the paired interval is far tighter than two independent ones."""
     import random
 
-    from blackjack_rl.evaluate import mean_ci
+    from blackjack_rl.measure.evaluation import mean_ci
 
     rng = random.Random(0)
     luck = [rng.choice([-1.0, 0.0, 1.0]) for _ in range(2000)]
@@ -149,7 +149,7 @@ def test_a_paired_interval_stays_within_the_possible_difference():
 
 
 def test_too_few_pairs_give_no_interval_and_say_so():
-    from blackjack_rl.compare import QUANTITIES, verdict
+    from blackjack_rl.measure.compare import QUANTITIES, verdict
 
     a = [sample_row(i, outcome="loss", reward=-1.0) for i in range(5)]
     b = [sample_row(i, outcome="win", reward=1.0) for i in range(5)]
@@ -165,8 +165,9 @@ def test_evaluation_intervals_respect_the_bounds_or_say_too_few(vocab_chat, solu
     decisions are too few for an interval of the regret."""
     import asyncio
 
-    from blackjack_rl.evaluate import compute_metrics, run_evaluation
-    from blackjack_rl.groups import Player
+    from blackjack_rl.measure.evaluation import compute_metrics
+    from blackjack_rl.rollout.runner import run_evaluation
+    from blackjack_rl.rollout.players import Player
     from blackjack_rl.policies.base import Reply
     from blackjack_rl.policies.bots import OptimalBot
 
@@ -196,7 +197,7 @@ def test_evaluation_intervals_respect_the_bounds_or_say_too_few(vocab_chat, solu
 
 
 def test_a_regret_interval_never_goes_below_zero():
-    from blackjack_rl.evaluate import mean_ci
+    from blackjack_rl.measure.evaluation import mean_ci
 
     regrets = [0.0] * 39 + [0.5]  # one costly mistake in 40 decisions
     r = mean_ci(regrets, (0.0, 2.5))

@@ -10,12 +10,14 @@ import asyncio
 
 import pytest
 
-from blackjack_rl.groups import Player, play_group
+from blackjack_rl.config import GroupConfig
+from blackjack_rl.rollout.groups import play_group
+from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.base import InferenceError, Turn
 from blackjack_rl.policies.openai_completions import CHAT_PATH, COMPLETIONS_PATH, OpenAICompletionsPolicy
 from blackjack_rl.policies.pool import ServerPool, ServerSpec
 from blackjack_rl.policies.sampling import Sampling
-from blackjack_rl.tokens import MASKED, ChatFormat, HFTokenizer, trained_spans
+from blackjack_rl.contract.tokens import MASKED, ChatFormat, HFTokenizer, trained_spans
 from mock_openai_server import MockServer, blackjack_answers, write_config
 
 pytestmark = pytest.mark.timeout(180)
@@ -46,7 +48,7 @@ def play_groups(policy, chat, solution, seeds, group_size):
     async def main():
         player = Player(policy, chat, solution)
         try:
-            return [await play_group(player, seed, group_size) for seed in seeds]
+            return [await play_group(player, seed, GroupConfig(group_size=group_size)) for seed in seeds]
         finally:
             await policy.aclose()
 
@@ -275,7 +277,7 @@ def test_servers_come_from_repeated_flags_or_yaml(tmp_path, gguf_path):
     from blackjack_rl.cli import build_parser, settings_from_args
     from blackjack_rl.config import load_settings
     from blackjack_rl.policies.openai_chat import OpenAIChatPolicy
-    from blackjack_rl.players import build_player
+    from blackjack_rl.rollout.players import build_player
 
     base = ["evaluate", "--policy", "openai", "--model", "m", "--tokenizer", str(gguf_path)]
     args = build_parser().parse_args(base + ["--server", "http://127.0.0.1:9/v1,3", "--server", "http://127.0.0.1:8/v1",
@@ -352,8 +354,8 @@ ODD_TOKEN_ANSWERS = {
 
 @pytest.mark.parametrize("api,name", [(api, name) for api, cases in ODD_TOKEN_ANSWERS.items() for name in cases])
 def test_a_token_answer_of_the_wrong_shape_fails_the_episode_with_a_reason(api, name, vocab_chat, solution, caplog):
-    from blackjack_rl.episode import play_episode
-    from blackjack_rl.game import Rules, Table
+    from blackjack_rl.rollout.episodes import play_episode
+    from blackjack_rl.game.table import Rules, Table
     from canned_server import CannedServer
 
     with CannedServer(ODD_TOKEN_ANSWERS[api][name]) as server:

@@ -6,14 +6,14 @@ import statistics
 
 import pytest
 
-from blackjack_rl.episode import EpisodeSettings, play_episode
-from blackjack_rl.game import Rules, Table
-from blackjack_rl.groups import Player
-from blackjack_rl.policies.base import Reply
+from blackjack_rl.config import GroupConfig
+from blackjack_rl.rollout.episodes import EpisodeSettings, play_episode
+from blackjack_rl.game.table import Rules, Table
+from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.bots import OptimalBot, RandomBot, ThresholdBot
-from blackjack_rl.protocol import HIT, STICK, tool_call_text
-from blackjack_rl.stepgroups import play_step_groups
-from blackjack_rl.tokens import MASKED, trained_spans
+from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text
+from blackjack_rl.rollout.stepgroups import play_step_groups
+from blackjack_rl.contract.tokens import MASKED, trained_spans
 from scripted import Scripted
 
 
@@ -67,7 +67,7 @@ def test_step_groups_score_each_answer_by_q_star(vocab_chat, solution):
                     EpisodeSettings(invalid_score=-1.5))
     checked = 0
     for seed in range(40):
-        deal = run(play_step_groups(player, seed, 6, continue_with="best"))
+        deal = run(play_step_groups(player, seed, GroupConfig(credit="step", group_size=6, continue_with="best")))
         for result in deal.groups:
             g = result.group
             prompt_len = trained_spans(g.masks[0])[0][0]
@@ -102,7 +102,7 @@ def test_step_groups_continue_with_the_best_answer(vocab_chat, solution, group_s
     player = Player(Scripted(_mixed_answer), vocab_chat, solution)
     best_was_not_first = invalid_ends = 0
     for seed in range(60):
-        deal = run(play_step_groups(player, seed, group_size, continue_with="best"))
+        deal = run(play_step_groups(player, seed, GroupConfig(credit="step", group_size=group_size, continue_with="best")))
         groups = [r.group for r in deal.groups]
         assert groups and all(g is not None for g in groups)
         for k, group in enumerate(groups):
@@ -160,7 +160,7 @@ def test_thinking_is_robust_to_malformed_blocks(vocab_chat, solution, answer, st
 @pytest.mark.embedded
 def test_step_groups_on_the_embedded_model(embedded, solution):
     player = Player(embedded, embedded.chat, solution, EpisodeSettings(max_new_tokens=48))
-    deal = run(play_step_groups(player, 77, 3))
+    deal = run(play_step_groups(player, 77, GroupConfig(credit="step", group_size=3)))
     assert deal.groups
     g = deal.groups[0].group
     prompt_len = min(m.index(next(x for x in m if x != MASKED)) for m in g.masks)
@@ -182,5 +182,5 @@ def test_thinking_mode_on_the_embedded_model_fits_the_budget(embedded, solution)
         ep = run(player.episode(seed))
         assert ep.status != "failed" and len(ep.trajectory.tokens) <= 520
         assert "<think>" in ep.messages[0]["content"]
-    deal = run(play_step_groups(player, 5, 2))
+    deal = run(play_step_groups(player, 5, GroupConfig(credit="step", group_size=2)))
     assert all(len(t) <= 520 for r in deal.groups for t in r.group.tokens)

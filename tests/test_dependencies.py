@@ -8,12 +8,14 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import tomllib
-from importlib.metadata import version
+from importlib.metadata import packages_distributions, version
 from pathlib import Path
 
 import httpcore
@@ -21,6 +23,7 @@ import httpx
 from canned_server import CannedServer
 from helpers import SRC, cli_env
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from blackjack_rl.policies import pool
 
@@ -135,3 +138,75 @@ def test_the_commands_and_their_reports_work_without_matplotlib(tmp_path):
         assert "asked matplotlib" not in run.stderr, (args, run.stderr[-2000:])
     written = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.html")}
     assert {"optimal/report.html", "threshold/report.html", "compare/compare.html", "data/groups.html"} <= written
+
+
+# Where the project's own imports live, and the first-party names among them (the package, the
+# verifiers environment module, and the helper modules tests and benchmarks import by file name).
+_SCANNED = ("src", "tests", "bench", "environments", "docs")
+_ROOT = SRC.parent
+
+
+def _declared_distributions() -> set[str]:
+    """Every distribution the project names: core, every extra, and the environment packages."""
+    files = [_ROOT / "pyproject.toml", *sorted((_ROOT / "environments").glob("*/pyproject.toml"))]
+    names: set[str] = set()
+    for path in files:
+        project = tomllib.loads(path.read_text(encoding="utf-8"))["project"]
+        reqs = list(project.get("dependencies", []))
+        for extra in project.get("optional-dependencies", {}).values():
+            reqs += extra
+        names |= {canonicalize_name(Requirement(r).name) for r in reqs}
+    return names
+
+
+def _imports() -> dict[str, set[str]]:
+    """Top-level module -> the files that import it, over every Python file of the checkout."""
+    found: dict[str, set[str]] = {}
+    for folder in _SCANNED:
+        for path in (_ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+                if isinstance(node, ast.Import):
+                    modules = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    modules = [node.module]
+                else:
+                    continue
+                for module in modules:
+                    found.setdefault(module.partition(".")[0], set()).add(path.relative_to(_ROOT).as_posix())
+    return found
+
+
+def _first_party() -> set[str]:
+    local = {"blackjack_rl"}
+    for folder in _SCANNED:
+        local |= {p.stem for p in (_ROOT / folder).rglob("*.py")}
+    return local
+
+
+def test_every_imported_package_is_named_by_the_project():
+    """A package that a module or test imports must be named by pyproject (core or an extra), not
+    arrive by luck as another's requirement or by a hand install: a fresh environment made from
+    the project's files would then miss it (as TRL's jmespath once did)."""
+    declared = _declared_distributions()
+    providers = packages_distributions()
+    local = _first_party()
+    unnamed = {}
+    for module, files in sorted(_imports().items()):
+        if module in sys.stdlib_module_names or module in local or module == "__future__":
+            continue
+        dists = providers.get(module) or [module]  # not installed here: the module's own name
+        if not {canonicalize_name(d) for d in dists} & declared:
+            unnamed[module] = (dists, sorted(files)[:3])
+    assert not unnamed, f"imported, but no requirement of the project names it: {unnamed}"
+
+
+def test_the_test_command_installs_every_extra():
+    """scripts/test.sh installs every extra into its fresh environment, but the two it says why it
+    leaves out; an extra that quietly drops out of it would leave its tests skipped."""
+    script = (_ROOT / "scripts" / "test.sh").read_text(encoding="utf-8")
+    extras = set(tomllib.loads((_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"])
+    (installed,) = re.findall(r'pip install -e "\.\[([a-z,-]+)\]"', script)
+    # wandb needs an account and the network; atroposlib is installed without its requirements
+    assert extras - set(installed.split(",")) == {"wandb", "atropos"}
+    assert 'pip install --no-deps "atroposlib==0.4.0"' in script
+    assert "venv --clear" in script

@@ -5,11 +5,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from blackjack_rl.episode import opening_messages, play_episode
-from blackjack_rl.game import Observation, Rules, Table
-from blackjack_rl.groups import Player, play_group
-from blackjack_rl.protocol import parse_action
-from blackjack_rl.tokens import MASKED, MASKED_LOGPROB, trained_spans
+from blackjack_rl.config import GroupConfig
+from blackjack_rl.rollout.episodes import opening_messages, play_episode
+from blackjack_rl.game.table import Observation, Rules, Table
+from blackjack_rl.rollout.groups import play_group
+from blackjack_rl.rollout.players import Player
+from blackjack_rl.contract.protocol import parse_action
+from blackjack_rl.contract.tokens import MASKED, MASKED_LOGPROB, trained_spans
 
 pytestmark = pytest.mark.embedded
 
@@ -82,7 +84,7 @@ def test_constrained_decoding_always_gives_a_valid_call(embedded_constrained):
 
 def test_a_small_group_on_the_embedded_model(embedded, solution):
     player = Player(embedded, embedded.chat, solution)
-    result = asyncio.run(play_group(player, seed=2024, group_size=3))
+    result = asyncio.run(play_group(player, 2024, GroupConfig(group_size=3)))
     g = result.group
     assert g is not None
     assert len(g.tokens) == 3 and g.generation_params["policy"] == "embedded"

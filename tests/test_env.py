@@ -4,11 +4,13 @@ import asyncio
 
 import pytest
 
+from helpers import deal_groups
+from blackjack_rl.config import GroupConfig
 from blackjack_rl.env import BlackjackEnv, EnvSettings
-from blackjack_rl.episode import EpisodeSettings, play_episode
-from blackjack_rl.game import Rules, Table
+from blackjack_rl.rollout.episodes import EpisodeSettings, play_episode
+from blackjack_rl.game.table import Rules, Table
 from blackjack_rl.policies.base import Reply
-from blackjack_rl.protocol import HIT, STICK, observation_text, system_prompt, tool_call_text
+from blackjack_rl.contract.protocol import HIT, STICK, observation_text, system_prompt, tool_call_text
 
 
 def test_reset_deals_the_seed_and_shows_the_prompt(solution):
@@ -121,8 +123,8 @@ def test_episodes_record_the_reprompts(vocab_chat, solution):
 def test_exploring_starts_put_the_player_in_the_state_and_keep_the_seeds_cards():
     import random
 
-    from blackjack_rl.game import Observation, hand_in_state
-    from blackjack_rl.grid import GRID_STATES
+    from blackjack_rl.game.table import Observation, hand_in_state
+    from blackjack_rl.measure.grid import GRID_STATES
 
     for s, d, u in GRID_STATES:
         for k in range(5):
@@ -143,7 +145,8 @@ def test_exploring_starts_put_the_player_in_the_state_and_keep_the_seeds_cards()
 
 
 def test_balanced_starts_cover_the_chart_half_hit_optimal(solution):
-    from blackjack_rl.grid import GRID_STATES, balanced_start
+    from blackjack_rl.game.solver import GRID_STATES
+    from blackjack_rl.rollout.stepgroups import balanced_start
 
     starts = [balanced_start(seed, solution) for seed in range(4000)]
     hit = sum(solution.best_action(k) == HIT for k in starts)
@@ -153,35 +156,31 @@ def test_balanced_starts_cover_the_chart_half_hit_optimal(solution):
 
 
 def test_step_groups_with_chart_starts_begin_in_the_drawn_state(vocab_chat, solution):
-    from blackjack_rl.config import GroupConfig
-    from blackjack_rl.deals import play_deal
-    from blackjack_rl.grid import balanced_start
-    from blackjack_rl.groups import Player
+    from blackjack_rl.rollout.stepgroups import balanced_start
+    from blackjack_rl.rollout.players import Player
     from blackjack_rl.policies.bots import OptimalBot
 
     player = Player(OptimalBot(solution), vocab_chat, solution, EpisodeSettings())
-    config = GroupConfig(group_size=2, group_by="step", starts="chart", token_advantages=True)
+    config = GroupConfig(credit="step-tokens", group_size=2, starts="chart")
     for seed in range(10):
-        first = asyncio.run(play_deal(player, seed, config))[0].group.episodes[0]
+        first = deal_groups(player, seed, config)[0].group.episodes[0]
         assert tuple(first.state) == tuple(int(x) for x in balanced_start(seed, solution))
-    with pytest.raises(ValueError, match="--starts chart is for step groups"):
+    with pytest.raises(ValueError, match="--starts is for step groups"):
         GroupConfig(starts="chart")
 
 
 def test_first_decision_step_groups_stop_after_the_first_group(vocab_chat, solution):
-    from blackjack_rl.config import GroupConfig
-    from blackjack_rl.deals import play_deal
-    from blackjack_rl.groups import Player
+    from blackjack_rl.rollout.players import Player
     from blackjack_rl.policies.bots import OptimalBot
 
     player = Player(OptimalBot(solution), vocab_chat, solution, EpisodeSettings())
     counts = {}
     for decisions in ("all", "first"):
-        config = GroupConfig(group_size=2, group_by="step", starts="chart", decisions=decisions)
-        deals = [asyncio.run(play_deal(player, seed, config)) for seed in range(30)]
+        config = GroupConfig(credit="step", group_size=2, starts="chart", decisions=decisions)
+        deals = [deal_groups(player, seed, config) for seed in range(30)]
         counts[decisions] = [len(d) for d in deals]
         assert all(d[0].group.episodes[0].decision == 0 for d in deals)
     assert max(counts["all"]) > 1  # optimal play hits on about half of these starts
     assert counts["first"] == [1] * 30
-    with pytest.raises(ValueError, match="--decisions first is for step groups"):
+    with pytest.raises(ValueError, match="--decisions is for step groups"):
         GroupConfig(decisions="first")

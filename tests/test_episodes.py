@@ -4,13 +4,16 @@ import asyncio
 
 import pytest
 
-from blackjack_rl.episode import EpisodeSettings, play_episode, sampling_seed
-from blackjack_rl.game import Rules, Table
-from blackjack_rl.groups import Player, pack_group, play_group
+from blackjack_rl.config import GroupConfig
+from blackjack_rl.rollout.episodes import EpisodeSettings, play_episode, sampling_seed
+from blackjack_rl.game.table import Rules, Table
+from blackjack_rl.rollout.groups import play_group
+from blackjack_rl.rollout.players import Player
+from blackjack_rl.rollout.core import pack_group
 from blackjack_rl.policies.base import InferenceError, Reply
 from blackjack_rl.policies.bots import OptimalBot, RandomBot, ThresholdBot
-from blackjack_rl.protocol import HIT, STICK, tool_call_text
-from blackjack_rl.tokens import MASKED
+from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text
+from blackjack_rl.contract.tokens import MASKED
 
 
 class Scripted:
@@ -117,7 +120,7 @@ def test_sampling_seeds_differ_per_episode_and_turn_and_are_stable():
 
 def test_group_shares_the_deal_and_the_prompt(vocab_chat, solution):
     player = Player(RandomBot(), vocab_chat, solution)
-    result = run(play_group(player, seed=11, group_size=8))
+    result = run(play_group(player, 11, GroupConfig(group_size=8)))
     g = result.group
     assert g is not None and len(g.tokens) == len(g.masks) == len(g.scores) == 8
     first_trained = [m.index(next(x for x in m if x != MASKED)) for m in g.masks]
@@ -143,23 +146,23 @@ def test_group_with_a_failed_episode_is_not_emitted(vocab_chat, solution):
                 raise InferenceError("timeout")
             return Reply(text=tool_call_text(STICK))
 
-    result = run(play_group(Player(FlakyEverySecond([]), vocab_chat, solution), 5, 4))
+    result = run(play_group(Player(FlakyEverySecond([]), vocab_chat, solution), 5, GroupConfig(group_size=4)))
     assert result.group is None and result.dropped == "failed_episodes"
     assert sum(ep.failed for ep in result.episodes) == 2
 
 
 def test_equal_score_groups_can_be_dropped(vocab_chat, solution):
     player = Player(ThresholdBot(17), vocab_chat, solution)  # deterministic: all 4 episodes play alike
-    assert run(play_group(player, 3, 4, drop_equal_scores=True)).dropped == "equal_scores"
-    assert run(play_group(player, 3, 4, drop_equal_scores=False)).group is not None
+    assert run(play_group(player, 3, GroupConfig(group_size=4, drop_equal_scores=True))).dropped == "equal_scores"
+    assert run(play_group(player, 3, GroupConfig(group_size=4, drop_equal_scores=False))).group is not None
 
 
 def test_packing_refuses_groups_from_different_deals(vocab_chat, solution):
     player = Player(OptimalBot(solution), vocab_chat, solution)
     a, b = run(player.episode(1)), run(player.episode(2))
-    if a.messages[1] != b.messages[1]:
-        with pytest.raises(ValueError, match="share their prompt"):
-            pack_group([a, b], {})
+    assert a.messages[1] != b.messages[1]  # two deals, two first hands
+    with pytest.raises(ValueError, match="share their prompt"):
+        pack_group([a.trajectory, b.trajectory], [0.0, 0.0], [a.messages, b.messages], [a.record(), b.record()], {})
 
 
 def test_limiter_at_one_does_not_deadlock(vocab_chat, solution):
@@ -168,6 +171,6 @@ def test_limiter_at_one_does_not_deadlock(vocab_chat, solution):
     async def main():
         limiter = asyncio.Semaphore(1)
         return await asyncio.wait_for(
-            asyncio.gather(*(play_group(player, s, 4, limiter=limiter) for s in range(5))), timeout=30)
+            asyncio.gather(*(play_group(player, s, GroupConfig(group_size=4), limiter=limiter) for s in range(5))), timeout=30)
 
     assert all(r.group is not None for r in run(main()))

@@ -9,18 +9,20 @@ import statistics
 
 import pytest
 
-from blackjack_rl.credit import AnswerCredit, action_char_span, action_token_indices, decision_advantages
-from blackjack_rl.episode import EpisodeSettings, opening_messages, play_episode
-from blackjack_rl.game import Observation, Rules, Table
-from blackjack_rl.grid import GRID_STATES, evaluate_grid, visits
-from blackjack_rl.groups import Player, play_group
+from blackjack_rl.config import GroupConfig
+from blackjack_rl.rollout.credit import AnswerCredit, action_char_span, action_token_indices, decision_advantages
+from blackjack_rl.rollout.episodes import EpisodeSettings, opening_messages, play_episode
+from blackjack_rl.game.table import Observation, Rules, Table
+from blackjack_rl.measure.grid import GRID_STATES, evaluate_grid, visits
+from blackjack_rl.rollout.groups import play_group
+from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.base import Reply
 from blackjack_rl.policies.bots import OptimalBot, RandomBot, ThresholdBot
-from blackjack_rl.probe import probe_policy
-from blackjack_rl.protocol import HIT, STICK, tool_call_text
-from blackjack_rl.solver import baselines, policy_outcome
-from blackjack_rl.stepgroups import play_step_groups
-from blackjack_rl.tokens import MASKED, trained_spans
+from blackjack_rl.measure.probe import probe_policy
+from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text
+from blackjack_rl.game.solver import baselines, policy_outcome
+from blackjack_rl.rollout.stepgroups import play_step_groups
+from blackjack_rl.contract.tokens import trained_spans
 from helpers import run_cli
 from scripted import Scripted
 
@@ -53,7 +55,7 @@ def test_step_group_advantages_separate_format_from_decision(vocab_chat, solutio
     player = Player(Scripted(_kind), vocab_chat, solution, settings)
     checked = {"valid": 0, "invalid": 0}
     for seed in range(30):
-        deal = run(play_step_groups(player, seed, 6, token_advantages=True))
+        deal = run(play_step_groups(player, seed, GroupConfig(credit="step-tokens", group_size=6)))
         for result in deal.groups:
             g = result.group
             adv = g.advantages
@@ -85,7 +87,7 @@ def test_episode_group_advantages_credit_each_decision(vocab_chat, solution):
     player = Player(Scripted(_kind), vocab_chat, solution)
     seen = 0
     for seed in range(20):
-        result = run(play_group(player, seed, 4, token_advantages=True))
+        result = run(play_group(player, seed, GroupConfig(credit="episode-tokens", group_size=4)))
         g = result.group
         for ep, tokens, masks, adv in zip(result.episodes, g.tokens, g.masks, g.advantages):
             assert len(adv) == len(tokens)
@@ -116,7 +118,7 @@ def test_all_action_credit_is_the_exact_expected_gradient():
 
 
 def test_scaled_decisions_weigh_every_state_the_same_and_the_format_has_its_own_weight(vocab_chat, solution):
-    from blackjack_rl.credit import DECISION_SCALE_FLOOR, validity_advantages
+    from blackjack_rl.rollout.credit import DECISION_SCALE_FLOOR, validity_advantages
 
     p = {1: 0.4, 0: 0.6}
     forced = [AnswerCredit(True, HIT, forced=True), AnswerCredit(True, STICK, forced=True)]
@@ -132,7 +134,7 @@ def test_scaled_decisions_weigh_every_state_the_same_and_the_format_has_its_own_
     assert validity_advantages(credits, -1.0, 0.0, weight=0.5) == [-0.25, 0.25, 0.25, 0.25]
     # through the groups: --format-weight 0 leaves only the decision on the forced calls' tokens
     player = Player(Scripted(_kind), vocab_chat, solution, EpisodeSettings())
-    deal = run(play_step_groups(player, 3, 2, token_advantages=True, scale_decisions=True, format_weight=0.0))
+    deal = run(play_step_groups(player, 3, GroupConfig(credit="step-tokens", group_size=2, scale_decisions=True, format_weight=0.0)))
     for result in deal.groups:
         g = result.group
         q = g.episodes[0].q
@@ -152,7 +154,7 @@ def test_scaled_decisions_weigh_every_state_the_same_and_the_format_has_its_own_
 @pytest.mark.embedded
 def test_counterfactual_groups_hold_both_calls_scored_by_q_with_the_models_logprobs(embedded, solution):
     player = Player(embedded, embedded.chat, solution, EpisodeSettings(max_new_tokens=48))
-    deal = run(play_step_groups(player, 7, 3, counterfactual=True))
+    deal = run(play_step_groups(player, 7, GroupConfig(credit="step-counterfactual", group_size=3)))
     assert deal.groups
     for result in deal.groups:
         g = result.group
@@ -193,8 +195,8 @@ def test_groups_of_the_two_calls_alone_follow_the_policys_own_choice(embedded, s
     player = Player(embedded, embedded.chat, solution, EpisodeSettings(max_new_tokens=48))
     counts = {"hit": 0, "stick": 0}
     for seed in range(6):
-        deal = run(play_step_groups(player, seed, 0, counterfactual=True))
-        again = run(play_step_groups(player, seed, 0, counterfactual=True))
+        deal = run(play_step_groups(player, seed, GroupConfig(credit="step-counterfactual", group_size=0)))
+        again = run(play_step_groups(player, seed, GroupConfig(credit="step-counterfactual", group_size=0)))
         assert [r.group.episodes[0].state for r in again.groups] == \
             [r.group.episodes[0].state for r in deal.groups]
         assert deal.status == "finished" and deal.groups
@@ -217,13 +219,12 @@ def test_groups_of_the_two_calls_alone_follow_the_policys_own_choice(embedded, s
 
 def test_group_size_zero_needs_counterfactual_step_groups(tmp_path):
     import subprocess
-    import sys
 
-    for extra in ([], ["--group-by", "step"]):
+    for extra in ([], ["--credit", "step"], ["--credit", "step-tokens"]):
         r = subprocess.run(["blackjack-rl", "process", "--policy", "optimal", "--groups", "1",
                             "--group-size", "0", *extra, "--out", str(tmp_path / "out")],
                            capture_output=True, text=True, timeout=120)
-        assert r.returncode != 0 and "--counterfactual" in r.stderr and "Traceback" not in r.stderr
+        assert r.returncode != 0 and "--credit step-counterfactual" in r.stderr and "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
 
 
@@ -245,7 +246,7 @@ def _logprobs_one_by_one(policy, prompt, answer):
 
 def test_counterfactual_groups_need_a_policy_that_scores_answers(vocab_chat, solution):
     player = Player(OptimalBot(solution), vocab_chat, solution)
-    deal = run(play_step_groups(player, 3, 2, counterfactual=True))
+    deal = run(play_step_groups(player, 3, GroupConfig(credit="step-counterfactual", group_size=2)))
     assert deal.status == "failed" and "cannot give them" in deal.error
 
 

@@ -7,16 +7,18 @@ import subprocess
 
 import pytest
 
-from blackjack_rl.episode import play_episode
-from blackjack_rl.game import Rules, Table
-from blackjack_rl.groups import Player, play_group
+from blackjack_rl.config import GroupConfig
+from blackjack_rl.rollout.episodes import play_episode
+from blackjack_rl.game.table import Rules, Table
+from blackjack_rl.rollout.groups import play_group
+from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.base import InferenceError, Turn
 from blackjack_rl.policies.openai_chat import OpenAIChatPolicy
 from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy
 from blackjack_rl.policies.pool import ServerPool, ServerSpec
 from blackjack_rl.policies.sampling import Sampling
-from blackjack_rl.protocol import HIT, tool_call_text
-from blackjack_rl.tokens import ChatFormat, HFTokenizer, trained_spans
+from blackjack_rl.contract.protocol import HIT, tool_call_text
+from blackjack_rl.contract.tokens import ChatFormat, HFTokenizer, trained_spans
 from canned_server import CannedServer, chat_answer
 from helpers import CLI, free_port
 
@@ -129,7 +131,7 @@ def _play_one(policy, chat, solution, seed=1):
 def _play_group(policy, chat, solution, size=4):
     async def main():
         try:
-            return await play_group(Player(policy, chat, solution), 1, size)
+            return await play_group(Player(policy, chat, solution), 1, GroupConfig(group_size=size))
         finally:
             await policy.aclose()
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from blackjack_rl.config import Settings
-from blackjack_rl.game import Observation
+from blackjack_rl.game.table import Observation
 from blackjack_rl.policies import BuiltPolicy, check_supported, make_policy
 from blackjack_rl.policies.base import InferenceError, Reply, Turn, answers_at_once
 from blackjack_rl.policies.sampling import Sampling
@@ -130,7 +130,7 @@ async def _respond_and_close(policy) -> Reply:
 def test_the_embedded_model_samples_with_the_cut_it_is_given():
     """top_k 1 at temperature 1 leaves only the most likely token: every seed gives the greedy
     answer, which free sampling at temperature 1 does not."""
-    from blackjack_rl.episode import opening_messages
+    from blackjack_rl.rollout.episodes import opening_messages
 
     def answers(**policy) -> set[tuple[int, ...]]:
         built = make_policy(settings(kind="embedded", max_tokens=12, n_threads=1, **policy))

@@ -11,8 +11,10 @@ import asyncio
 
 import pytest
 
-from blackjack_rl.evaluate import eval_seeds, run_evaluation
-from blackjack_rl.groups import Player, play_group
+from blackjack_rl.config import GroupConfig
+from blackjack_rl.rollout.runner import eval_seeds, run_evaluation
+from blackjack_rl.rollout.groups import play_group
+from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.base import InferenceError, Turn
 from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy
 from blackjack_rl.policies.pool import NoHealthyServer, ServerPool, ServerSpec
@@ -118,7 +120,7 @@ def test_the_per_server_cap_holds_and_nothing_deadlocks_at_cap_1(a, vocab_chat, 
 
     async def main():
         limiter = asyncio.Semaphore(1)
-        groups = [await play_group(player, seed, 4, limiter=limiter) for seed in range(3)]
+        groups = [await play_group(player, seed, GroupConfig(group_size=4), limiter=limiter) for seed in range(3)]
         episodes = await run_evaluation(player, 12, concurrency=1)
         burst = await asyncio.gather(*(policy.respond(TURN) for _ in range(20)))
         return groups, episodes, burst
@@ -215,7 +217,7 @@ def test_a_hung_server_in_a_pool_costs_one_timeout_then_the_other_does_the_work(
 def test_a_malformed_shared_first_turn_falls_back_to_single_requests(a, vocab_chat, solution):
     a.control(malformed=True, fail_times=1)
     policy = make([a.url], vocab_chat)
-    result = run(closing(policy, play_group(Player(policy, vocab_chat, solution), 3, 8)))
+    result = run(closing(policy, play_group(Player(policy, vocab_chat, solution), 3, GroupConfig(group_size=8))))
     assert result.group is not None and len(result.group.tokens) == 8
 
 
@@ -223,7 +225,7 @@ def test_failed_episodes_are_reported_failed_and_never_poison_a_group(a, vocab_c
     a.control(status=500)
     policy = make([a.url], vocab_chat, retries=1, quarantine_after=100)
     player = Player(policy, vocab_chat, solution)
-    result = run(closing(policy, play_group(player, 9, 4)))
+    result = run(closing(policy, play_group(player, 9, GroupConfig(group_size=4))))
     assert result.group is None and result.dropped == "failed_episodes"
     assert all(ep.failed and ep.score is None and ep.outcome is None and "HTTP 500" in ep.error
                for ep in result.episodes)
@@ -241,7 +243,7 @@ def test_a_server_that_dies_mid_run(config, vocab_chat, solution):
 
         async def main():
             limiter = asyncio.Semaphore(16)
-            tasks = [asyncio.create_task(play_group(player, seed, 8, limiter=limiter)) for seed in range(24)]
+            tasks = [asyncio.create_task(play_group(player, seed, GroupConfig(group_size=8), limiter=limiter)) for seed in range(24)]
             await asyncio.sleep(0.3)
             victim.kill()
             return await asyncio.gather(*tasks)

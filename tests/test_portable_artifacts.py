@@ -29,7 +29,7 @@ from blackjack_rl.policies.torch.base_ref import (
     file_sha256,
     resolve_base,
 )
-from blackjack_rl.tokens import EMBEDDED_GGUF_NAME, embedded_model_path
+from blackjack_rl.contract.tokens import EMBEDDED_GGUF_NAME, embedded_model_path
 from helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,7 +179,7 @@ def tiny_model_dir(tmp_path_factory, gguf_path) -> Path:
     return out
 
 
-TRAIN = ["--steps", "1", "--deals-per-step", "2", "--group-size", "0", "--group-by", "step", "--counterfactual",
+TRAIN = ["--steps", "1", "--deals-per-step", "2", "--group-size", "0", "--credit", "step-counterfactual",
          "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "0", "--save-every", "1", "--threads", "1",
          "--lr", "1e-2", "--lora", "--lora-rank", "4"]
 

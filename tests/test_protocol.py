@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blackjack_rl.protocol import (
+from blackjack_rl.contract.protocol import (
     ACTION_NAMES,
     HIT,
     STICK,

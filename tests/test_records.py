@@ -8,17 +8,18 @@ import json
 import pydantic_core
 import pytest
 
+from helpers import deal_groups
 from blackjack_rl.api.client import encode_groups
 from blackjack_rl.api.ingest import IngestContext, prepare_groups
 from blackjack_rl.api.models import INTEGERS_SEEN, ScoredGroup
 from blackjack_rl.config import GroupConfig
-from blackjack_rl.deals import play_deal
-from blackjack_rl.episode import EpisodeSettings
-from blackjack_rl.evaluate import compute_metrics, run_evaluation
-from blackjack_rl.groups import Player
+from blackjack_rl.rollout.episodes import EpisodeSettings
+from blackjack_rl.measure.evaluation import compute_metrics
+from blackjack_rl.rollout.runner import run_evaluation
+from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.base import Reply
 from blackjack_rl.policies.bots import OptimalBot, RandomBot
-from blackjack_rl.records import (
+from blackjack_rl.contract.records import (
     EpisodeRecord,
     Metrics,
     SampleRow,
@@ -41,8 +42,8 @@ class SometimesInvalid(RandomBot):
 
 
 def _groups(player, group_by, token_advantages=False, seeds=range(6)):
-    config = GroupConfig(group_size=4, group_by=group_by, token_advantages=token_advantages)
-    results = [r for s in seeds for r in asyncio.run(play_deal(player, s, config))]
+    config = GroupConfig(group_size=4, credit=f"{group_by}-tokens" if token_advantages else group_by)
+    results = [r for s in seeds for r in deal_groups(player, s, config)]
     return [r.group for r in results if r.group is not None]
 
 

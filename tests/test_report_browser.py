@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from blackjack_rl.episode import EpisodeSettings
-from blackjack_rl.groups import Player, play_group
+from blackjack_rl.config import GroupConfig
+from blackjack_rl.rollout.episodes import EpisodeSettings
+from blackjack_rl.rollout.groups import play_group
+from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.base import Reply
 from blackjack_rl.policies.bots import RandomBot
 from blackjack_rl.report.chromium import browser_context
@@ -156,7 +158,8 @@ def test_report_episode_browser_shows_decisions_against_the_optimum(browser, thr
 
 
 def test_report_lists_invalid_answers_by_reason_with_real_examples(browser, tmp_path, vocab_chat, solution):
-    from blackjack_rl.evaluate import compute_metrics, run_evaluation
+    from blackjack_rl.measure.evaluation import compute_metrics
+    from blackjack_rl.rollout.runner import run_evaluation
     from blackjack_rl.report.evaluation import write_report
 
     player = Player(SometimesWrong(), vocab_chat, solution, EpisodeSettings())
@@ -192,7 +195,8 @@ class SaysAnything(RandomBot):
 def test_report_episode_browser_shows_any_answer_text(browser, tmp_path, vocab_chat, solution):
     """`<!--` in an answer once hid every episode (the escaping made invalid JSON); `</script>`,
     line separators and lone surrogates are the rest of that class."""
-    from blackjack_rl.evaluate import compute_metrics, run_evaluation
+    from blackjack_rl.measure.evaluation import compute_metrics
+    from blackjack_rl.rollout.runner import run_evaluation
     from blackjack_rl.report.evaluation import write_report
 
     player = Player(SaysAnything(), vocab_chat, solution, EpisodeSettings())
@@ -256,7 +260,7 @@ def big_dataset(tmp_path_factory, vocab_chat, solution):
     player = Player(SometimesWrong(), vocab_chat, solution, EpisodeSettings())
 
     async def play():
-        return [await play_group(player, seed, 2) for seed in range(40)]
+        return [await play_group(player, seed, GroupConfig(group_size=2)) for seed in range(40)]
 
     # playwright's sync API owns this thread's event loop, so the games run on another thread
     with ThreadPoolExecutor(1) as pool:

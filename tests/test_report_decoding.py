@@ -8,11 +8,11 @@ import subprocess
 
 import pytest
 
-from blackjack_rl.episode import play_episode
-from blackjack_rl.game import Rules, Table
+from blackjack_rl.rollout.episodes import play_episode
+from blackjack_rl.game.table import Rules, Table
 from blackjack_rl.policies.openai_chat import OpenAIChatPolicy
 from blackjack_rl.policies.structured import CALL_SCHEMA, STRUCTURED_OUTPUT_MODES, structured_output_fields
-from blackjack_rl.protocol import parse_action
+from blackjack_rl.contract.protocol import parse_action
 from blackjack_rl.policies.sampling import Sampling
 from blackjack_rl.report.modes import decoding_mode
 from canned_server import CannedServer, chat_answer

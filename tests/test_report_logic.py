@@ -10,7 +10,7 @@ from blackjack_rl.report.dataset import DatasetView, common_prefix, group_summar
 from blackjack_rl.report.episodes import category, invalid_examples, sample
 from blackjack_rl.report.modes import decoding_mode
 from blackjack_rl.report.strategy import chart, costliest, state_stats
-from blackjack_rl.records import Metrics
+from blackjack_rl.contract.records import Metrics
 from records_factory import decision as _decision
 from records_factory import episode_record, sample_row, scored_group
 
@@ -166,7 +166,7 @@ EVIL = ("</script><script>window.pwned=1</script> <!-- <script> --> \u2028 line 
 
 
 def _evil_rows():
-    from blackjack_rl.protocol import HIT, tool_call_text
+    from blackjack_rl.contract.protocol import HIT, tool_call_text
 
     text = EVIL + tool_call_text(HIT)
     rows = []
@@ -180,9 +180,9 @@ def _evil_rows():
 
 
 def test_report_embeds_any_answer_as_json_that_parses_back(tmp_path, solution):
-    from blackjack_rl.evaluate import EVAL_SEED_BASE
+    from blackjack_rl.rollout.runner import EVAL_SEED_BASE
     from blackjack_rl.report.evaluation import write_report
-    from blackjack_rl.solver import baselines
+    from blackjack_rl.game.solver import baselines
 
     rows, text = _evil_rows()
     ref = {k: {"value": o.value, "win": o.win, "draw": o.draw, "loss": o.loss} for k, o in baselines(solution.rules).items()}

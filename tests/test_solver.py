@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from blackjack_rl.game import Rules, Table
-from blackjack_rl.solver import HIT, STICK, baselines, dealer_final, solve
+from blackjack_rl.game.table import Rules, Table
+from blackjack_rl.game.solver import HIT, STICK, baselines, dealer_final, solve
 
 
 def test_default_rules_match_the_known_optimum():

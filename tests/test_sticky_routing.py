@@ -13,8 +13,10 @@ from collections import Counter
 
 import pytest
 
-from blackjack_rl.evaluate import run_evaluation
-from blackjack_rl.groups import Player, play_group
+from blackjack_rl.config import GroupConfig
+from blackjack_rl.rollout.runner import run_evaluation
+from blackjack_rl.rollout.groups import play_group
+from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy
 from blackjack_rl.policies.pool import ServerPool, ServerSpec, affinity_key, rendezvous_order
 from blackjack_rl.policies.sampling import Sampling
@@ -47,7 +49,7 @@ def play(servers, chat, solution, sticky: bool, fault: dict | None = None, **poo
     async def main():
         try:
             limiter = asyncio.Semaphore(16)
-            groups = await asyncio.gather(*(play_group(player, seed, 4, limiter=limiter) for seed in range(12)))
+            groups = await asyncio.gather(*(play_group(player, seed, GroupConfig(group_size=4), limiter=limiter) for seed in range(12)))
             episodes = await run_evaluation(player, 60, concurrency=16)
             return groups, episodes, pool.snapshot()
         finally:
@@ -118,7 +120,7 @@ def test_the_key_is_the_first_user_message():
 @pytest.mark.parametrize("flags, sticky", [([], True), (["--no-sticky"], False)])
 def test_the_command_line_switches_stickiness(flags, sticky, gguf_path):
     from blackjack_rl.cli import build_parser, settings_from_args
-    from blackjack_rl.players import build_player
+    from blackjack_rl.rollout.players import build_player
 
     args = build_parser().parse_args(["evaluate", "--policy", "openai", "--model", "m", "--server",
                                       "http://127.0.0.1:9/v1", "--token-path", "completions", "--tokenizer",

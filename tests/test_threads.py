@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from blackjack_rl.policies.threads import ThreadChooser, threads_for, usable_cpus
+from blackjack_rl.threads import ThreadChooser, threads_for, usable_cpus
 
 
 def test_one_thread_per_free_core_never_none_never_more_than_the_cpus():

@@ -15,11 +15,11 @@ import sys
 import pytest
 
 from blackjack_rl.env import opening_messages
-from blackjack_rl.episode import play_episode
-from blackjack_rl.game import Rules, Table
+from blackjack_rl.rollout.episodes import play_episode
+from blackjack_rl.game.table import Rules, Table
 from blackjack_rl.policies.bots import RandomBot, ThresholdBot
-from blackjack_rl.protocol import HIT, STICK, tool_call_text
-from blackjack_rl.tokens import ChatFormat, HFTokenizer
+from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text
+from blackjack_rl.contract.tokens import ChatFormat, HFTokenizer
 
 TEXTS = [
     "Hello 12345 world!!  \n\t ünïcödé 🂡",
@@ -72,7 +72,7 @@ def test_episodes_have_the_same_trajectories(both, solution):
 
 
 def _imports_transformers(folder) -> bool:
-    code = ("import sys; from blackjack_rl.tokens import ChatFormat, HFTokenizer; "
+    code = ("import sys; from blackjack_rl.contract.tokens import ChatFormat, HFTokenizer; "
             f"ChatFormat.learn(HFTokenizer({str(folder)!r})); print('transformers' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

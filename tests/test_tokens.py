@@ -4,10 +4,10 @@ import asyncio
 
 import pytest
 
-from blackjack_rl.episode import EpisodeSettings, play_episode
-from blackjack_rl.game import Rules, Table
+from blackjack_rl.rollout.episodes import EpisodeSettings, play_episode
+from blackjack_rl.game.table import Rules, Table
 from blackjack_rl.policies.bots import OptimalBot, ThresholdBot
-from blackjack_rl.tokens import MASKED, MASKED_LOGPROB, ChatFormat, HFTokenizer, LlamaCppTokenizer, trained_spans
+from blackjack_rl.contract.tokens import MASKED, MASKED_LOGPROB, ChatFormat, HFTokenizer, trained_spans
 
 
 def _play(policy, chat, solution, seed):

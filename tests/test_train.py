@@ -16,13 +16,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="the trainer needs the train extra: pip install -e '.[train]'")
 
 from blackjack_rl.config import GroupConfig, Settings, TrainConfig  # noqa: E402
-from blackjack_rl.episode import EpisodeSettings, opening_messages  # noqa: E402
-from blackjack_rl.game import Observation, Rules  # noqa: E402
-from blackjack_rl.deals import play_deal  # noqa: E402
-from blackjack_rl.groups import Player  # noqa: E402
-from blackjack_rl.protocol import HIT, tool_call_text  # noqa: E402
-from blackjack_rl.solver import solve  # noqa: E402
-from blackjack_rl.tokens import MASKED, ChatFormat, HFTokenizer, trained_spans  # noqa: E402
+from blackjack_rl.rollout.episodes import EpisodeSettings, opening_messages  # noqa: E402
+from blackjack_rl.game.table import Observation  # noqa: E402
+from blackjack_rl.rollout.players import Player  # noqa: E402
+from blackjack_rl.contract.protocol import HIT, tool_call_text  # noqa: E402
+from blackjack_rl.contract.tokens import MASKED, ChatFormat, HFTokenizer, trained_spans  # noqa: E402
 from blackjack_rl.policies.torch.forward import RowCache, forward_rows, run_prefix  # noqa: E402
 from blackjack_rl.policies.torch.logprobs import Targets, pack_rows, token_logprobs  # noqa: E402
 from blackjack_rl.train.grpo import LossConfig, group_advantages, trained_targets  # noqa: E402
@@ -30,7 +28,7 @@ from blackjack_rl.train.loop import make_trainable, optimize  # noqa: E402
 from blackjack_rl.policies.torch.model import build_hf_tokenizer, load_model  # noqa: E402
 from blackjack_rl.policies.torch.policy import TorchPolicy  # noqa: E402
 from blackjack_rl.policies.sampling import Sampling  # noqa: E402
-from helpers import ServerProcess, run_cli  # noqa: E402
+from helpers import ServerProcess, deal_groups, run_cli  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -151,7 +149,7 @@ def test_packing_is_skipped_where_one_wide_row_would_pad_many_narrow_ones():
 def test_sampled_logprobs_are_what_training_computes(tiny_policy, solution, group_by):
     player = Player(tiny_policy, tiny_policy.chat, solution, EpisodeSettings())
     tiny_policy.record_layer = 1
-    [result] = asyncio.run(play_deal(player, 7, GroupConfig(group_size=4, group_by=group_by)))[:1]
+    [result] = deal_groups(player, 7, GroupConfig(group_size=4, credit=group_by))[:1]
     group = result.group.to_json()  # as a trainer receives it
     targets = trained_targets(group)
     assert targets.old_logprobs is not None and len(targets.rows) > 0
@@ -233,7 +231,7 @@ def test_group_advantages():
 def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     run = run_cli("train", "--model-path", str(tiny_model_dir), "--steps", "2", "--deals-per-step", "2",
-               "--group-size", "4", "--group-by", "step", "--max-tokens", "6", "--eval-episodes", "3",
+               "--group-size", "4", "--credit", "step", "--max-tokens", "6", "--eval-episodes", "3",
                "--eval-every", "1", "--save-every", "1", "--lora", "--threads", "1", "--out", str(out), cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
@@ -271,7 +269,7 @@ def test_trains_on_batches_pulled_from_the_trajectory_api(tiny_policy, solution,
 
     player = Player(tiny_policy, tiny_policy.chat, solution, EpisodeSettings(scoring="expected"))
     groups = [r.group.to_json() for seed in (1, 2)
-              for r in asyncio.run(play_deal(player, seed, GroupConfig(group_size=4)))]
+              for r in deal_groups(player, seed, GroupConfig(group_size=4))]
     groups[0]["scores"] = [1.0, -1.0, 0.5, -0.5]  # make sure at least one group carries signal
     api = ServerProcess(tmp_path / "api.sqlite").start()
     try:
@@ -303,7 +301,7 @@ def test_per_token_credit_moves_the_decision_and_not_the_format(tiny_model_dir):
     tokens = [[*prompt, *c] for c in calls]
     masks = [[MASKED] * len(prompt) + list(c) for c in calls]
     decode = tokenizer.decode
-    from blackjack_rl.credit import action_char_span, action_token_indices
+    from blackjack_rl.rollout.credit import action_char_span, action_token_indices
 
     action = [set(action_token_indices(c, action_char_span(decode(c)), decode)) for c in calls]
     # hitting is better here: +0.3 on the hit token, -0.3 on the stick token, 0 elsewhere
@@ -337,8 +335,8 @@ def test_per_token_credit_moves_the_decision_and_not_the_format(tiny_model_dir):
 
 @pytest.mark.slow  # torch training
 def test_a_resumed_run_takes_the_same_next_step(tiny_model_dir, tmp_path):
-    common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "3", "--group-by",
-              "step", "--counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "0",
+    common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "3", "--credit",
+              "step-counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "0",
               "--save-every", "1", "--threads", "1", "--lr", "1e-3", "--seed", "5", "--warmup-steps", "4"]
     whole = run_cli("train", *common, "--steps", "2", "--out", str(tmp_path / "whole"), cwd=tmp_path)
     assert whole.returncode == 0, whole.stdout + whole.stderr
@@ -440,8 +438,8 @@ def test_batch_metrics_read_the_policys_call_probabilities_from_two_call_groups(
     from blackjack_rl.train.metrics import batch_metrics
 
     player = Player(tiny_policy, tiny_policy.chat, solution, EpisodeSettings())
-    config = GroupConfig(group_size=0, group_by="step", counterfactual=True)
-    groups = [r.group.to_json() for seed in range(6) for r in asyncio.run(play_deal(player, seed, config))]
+    config = GroupConfig(credit="step-counterfactual", group_size=0)
+    groups = [r.group.to_json() for seed in range(6) for r in deal_groups(player, seed, config)]
     assert groups and all(len(g["tokens"]) == 2 for g in groups)
     m = batch_metrics(groups)
     assert m["mean_score"] is None and m["decisions"] == 0  # nothing was sampled
@@ -454,8 +452,8 @@ def test_batch_metrics_read_the_policys_call_probabilities_from_two_call_groups(
 
 def _two_call_groups(policy, solution, seeds) -> list[dict]:
     player = Player(policy, policy.chat, solution, EpisodeSettings())
-    config = GroupConfig(group_size=0, group_by="step", counterfactual=True)
-    return [r.group.to_json() for seed in seeds for r in asyncio.run(play_deal(player, seed, config))]
+    config = GroupConfig(credit="step-counterfactual", group_size=0)
+    return [r.group.to_json() for seed in seeds for r in deal_groups(player, seed, config)]
 
 
 def test_balanced_actions_weigh_hit_and_stick_optimal_decisions_equally(tiny_policy, solution):
@@ -485,7 +483,7 @@ def test_balance_actions_takes_the_step_of_the_weighted_groups(tiny_model_dir, t
     after = []
     for balance, batch in ((True, groups), (False, manual)):
         model, _ = load_model(tiny_model_dir)
-        settings = Settings(train=TrainConfig(balance_actions=balance))
+        settings = Settings(groups=GroupConfig(credit="step-counterfactual", group_size=0, balance_actions=balance))
         params = [p for p in model.parameters() if p.requires_grad]
         optimize(model, torch.optim.SGD(params, lr=1.0), params, batch, LossConfig(), settings, None)
         after.append(torch.cat([p.detach().flatten() for p in params]))
@@ -511,8 +509,8 @@ def test_a_lone_answer_scored_above_a_frozen_trunk_equals_the_full_forward(tiny_
 def test_a_run_started_from_a_saved_adapter_continues_that_adapter(tiny_model_dir, tmp_path):
     """--init-adapter: the second run's step-0 chart is the first run's final one (the same
     weights), and its final adapter is one adapter over the base model, not a stack."""
-    common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "0", "--group-by",
-              "step", "--counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "1",
+    common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "0", "--credit",
+              "step-counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "1",
               "--threads", "1", "--lr", "1e-2", "--lora", "--steps", "1"]
     first = run_cli("train", *common, "--out", str(tmp_path / "one"), cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -544,8 +542,8 @@ def test_a_fresh_adapter_over_a_saved_one_is_saved_as_one_exact_adapter(tiny_mod
     """--base-adapter: the saved adapter is folded in (the second run starts where the first
     ended), a fresh one trains over it, and what is saved is both as one adapter over the base
     model: a third run over that stack starts exactly where the second ended."""
-    common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "0", "--group-by",
-              "step", "--counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "1",
+    common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "0", "--credit",
+              "step-counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "1",
               "--threads", "1", "--lr", "1e-2", "--lora", "--lora-rank", "4"]
 
     def grid_rows(path):

@@ -9,8 +9,8 @@ import sqlite3
 import sys
 from typing import TYPE_CHECKING
 
-from .cli_options import Option, Parser, add_options, given, options_of, select, subcommands, validation_error
-from .cluster import ClusterError
+from blackjack_rl.cli_options import Option, Parser, add_options, given, options_of, select, subcommands, validation_error
+from blackjack_rl.cluster import ClusterError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -42,11 +42,13 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "train": (*PLAY, "groups", "train"),
 }
 # `train --lora` trains LoRA adapters (train.lora), where the other commands' --lora applies one
-WITHOUT: dict[str, tuple[str, ...]] = {"train": ("policy.lora",)}
+# and balancing decisions weighs the trainer's batches, which no other command has
+WITHOUT: dict[str, tuple[str, ...]] = {"train": ("policy.lora",), "process": ("groups.balance_actions",),
+                                       "serve": ("groups.balance_actions",)}
 
 
 def _add_settings(p: argparse.ArgumentParser, command: str) -> None:
-    from .config import Settings
+    from blackjack_rl.config import Settings
 
     add_options(p, select(Settings, SETTINGS[command], WITHOUT.get(command, ())))
 
@@ -105,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", metavar="RUN", help="evaluation folders; the first is the baseline")
     p.add_argument("--out", metavar="DIR", default="runs/compare", help="where to write the page (default runs/compare)")
 
-    from .train.cli import add_train_parser
+    from blackjack_rl.train.cli import add_train_parser
 
     p = add_train_parser(sub)
     _add_common(p)
@@ -118,14 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace):
     """The settings: the flags given, over the environment, the --config file and the defaults."""
-    from .config import load_settings
+    from blackjack_rl.config import load_settings
 
     return load_settings(getattr(args, "config", None), given(args))
 
 
 def _cmd_solve(args: argparse.Namespace, console: Console) -> int:
-    from .report.console import print_solution, solution_json
-    from .solver import solve
+    from blackjack_rl.report.console import print_solution, solution_json
+    from blackjack_rl.game.solver import solve
 
     solution = solve(settings_from_args(args).game.rules)
     if args.json:
@@ -139,7 +141,7 @@ def _with_player(settings, job):
     """Build the player the settings describe, run `job(player)`, and always close the policy."""
     import asyncio
 
-    from .players import build_player
+    from blackjack_rl.rollout.players import build_player
 
     player = build_player(settings)
 
@@ -159,29 +161,30 @@ def _shards(settings):
     r = settings.ray
     if r.address is None:
         return contextlib.nullcontext()
-    from .cluster.shards import shards_for
+    from blackjack_rl.cluster.shards import shards_for
 
     return shards_for(r.address, settings, r.actors, r.cpus)
 
 
 def _cmd_process(args: argparse.Namespace, console: Console) -> int:
-    from .jobs import run_process
+    from blackjack_rl.jobs.process import run_process
 
     settings = settings_from_args(args)
     with _shards(settings) as shards:
         s = _with_player(settings, lambda player: run_process(settings, player, progress=not args.quiet,
                                                               deals=shards and shards.deals))
+    t = s.tally
     console.print(
-        f"Wrote {s.groups_written} groups ({s.episodes} sequences played, {s.episodes_failed} failed"
-        + (f", dropped {s.groups_dropped}" if s.groups_dropped else "")
+        f"Wrote {s.groups_written} groups ({t.sequences} sequences from {t.episodes} episodes, "
+        f"{t.episodes_failed} failed" + (f", dropped {t.groups_dropped}" if t.groups_dropped else "")
         + f") in {s.seconds:.1f}s to [bold]{s.out_file}[/bold]; browse them in [bold]{s.html_file}[/bold]"
     )
-    return 0 if s.episodes_failed == 0 else 3
+    return 0 if t.episodes_failed == 0 else 3
 
 
 def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
-    from .report.console import print_metrics
-    from .jobs import run_evaluate
+    from blackjack_rl.jobs.evaluate import run_evaluate
+    from blackjack_rl.report.console import print_metrics
 
     settings = settings_from_args(args)
     with _shards(settings) as shards:
@@ -195,53 +198,32 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_grid(args: argparse.Namespace, console: Console) -> int:
-    import time
     from pathlib import Path
 
-    from .grid import evaluate_grid
-    from .probe import probe_policy
-    from .report.gridpage import write_grid_page
+    from blackjack_rl.jobs.grid import run_grid
 
     settings = settings_from_args(args)
-
-    async def job(player):
-        t0 = time.perf_counter()
-        probe = await probe_policy(player)
-        return player, probe, time.perf_counter() - t0
-
-    player, probe, seconds = _with_player(settings, job)
-    g = evaluate_grid(player.solution, probe.p_hit)
-    out = Path(settings.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"policy": player.policy.generation_params(), "temperature": probe.temperature, "seconds": seconds,
-            "p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None}
-    tmp = out / "grid.json.tmp"
-    tmp.write_text(json.dumps({**g.to_dict(), **meta}, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(out / "grid.json")
-    page = write_grid_page(out / "grid.html", f"Strategy chart of {player.policy.name}", g, player.solution, meta)
+    run = _with_player(settings, lambda player: run_grid(Path(settings.out), player))
+    g = run.grid
     console.print(f"exact value {g.value:+.4f} (optimal {g.optimal_value:+.4f}, regret {g.regret:.4f}); "
                   f"accuracy {100 * g.accuracy:.1f}% by visits, {100 * g.cell_accuracy:.1f}% by cell; "
                   f"P(hit) {g.p_hit_hit_optimal:.2f} where hit is optimal, {g.p_hit_stick_optimal:.2f} where stick is "
-                  f"({seconds:.1f}s). Chart in [bold]{page}[/bold]")
+                  f"({run.seconds:.1f}s). Chart in [bold]{run.page}[/bold]")
     return 0
 
 
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
-    from .compare import compare_runs
-    from .report.comparison import write_comparison
-    from .report.console import print_comparison
-    from .report.runs import load_runs
+    from blackjack_rl.jobs.compare import run_compare
+    from blackjack_rl.report.console import print_comparison
 
-    runs = load_runs(args.runs)
-    comparisons = compare_runs(runs)
-    print_comparison(runs, comparisons, console)
-    html, _ = write_comparison(args.out, runs, comparisons)
-    console.print(f"Side by side in [bold]{html}[/bold]")
+    run = run_compare(args.runs, args.out)
+    print_comparison(run.runs, run.comparisons, console)
+    console.print(f"Side by side in [bold]{run.page}[/bold]")
     return 0
 
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
-    from .env_worker import serve
+    from blackjack_rl.jobs.serve import serve
 
     settings = settings_from_args(args)
     if settings.ray.address is not None:
@@ -266,7 +248,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
 def _serve_on_ray(settings, args: argparse.Namespace, console: Console) -> int:
     if args.wandb_project:
         raise ValueError("--wandb-project is for one worker; with --ray, each worker logs to OUT/<worker id>/")
-    from .cluster.workers import serve_on_ray
+    from blackjack_rl.cluster.workers import serve_on_ray
 
     logging.getLogger("blackjack_rl").setLevel(logging.INFO)
     result = serve_on_ray(settings)
@@ -278,7 +260,7 @@ def _serve_on_ray(settings, args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
-    from .train.cli import cmd_train
+    from blackjack_rl.train.cli import cmd_train
 
     return cmd_train(settings_from_args(args), console, sys.argv[1:])
 
@@ -304,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     options: tuple[Option, ...] = ()
     try:
         if argv[:1] == ["api"]:
-            from .api.cli import main as api_main
+            from blackjack_rl.api.cli import main as api_main
 
             return api_main(argv[1:])
         parser = build_parser()

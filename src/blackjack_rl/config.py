@@ -15,8 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
 
 if TYPE_CHECKING:  # game.py imports Gymnasium, which the command line's help and `api` do not need
-    from .game import Rules
-from .policies.structured import StructuredOutput
+    from blackjack_rl.game.table import Rules
+
+# How `--constrained` asks a chat server for structured output (policies/structured.py builds the requests)
+StructuredOutput = Literal["json_schema", "json_object", "structured_outputs", "guided_json", "tool_choice"]
 
 PolicyKind = Literal["embedded", "openai", "optimal", "threshold", "random", "hf"]
 
@@ -36,9 +38,21 @@ class GameConfig(_Section):
 
     @property
     def rules(self) -> Rules:
-        from .game import Rules
+        from blackjack_rl.game.table import Rules
 
         return Rules(natural=self.natural, sab=self.sab)
+
+
+def parse_server(text: str) -> tuple[str, float]:
+    """`URL` or `URL,WEIGHT` (the `--server` flag's format); the URL and weight are checked by
+    ServerConfig and the pool's ServerSpec."""
+    url, sep, weight = text.strip().rpartition(",")
+    if not sep:
+        return weight, 1.0
+    try:
+        return url.strip(), float(weight)
+    except ValueError:
+        raise ValueError(f"--server {text!r}: expected URL or URL,WEIGHT with a positive number") from None
 
 
 class ServerConfig(_Section):
@@ -52,11 +66,15 @@ class ServerConfig(_Section):
     @classmethod
     def _from_string(cls, value: Any) -> Any:
         if isinstance(value, str):
-            from .policies.pool import ServerSpec
-
-            spec = ServerSpec.parse(value)
-            return {"url": spec.url, "weight": spec.weight}
+            url, weight = parse_server(value)
+            return {"url": url, "weight": weight}
         return value
+
+    @model_validator(mode="after")
+    def _http(self) -> "ServerConfig":
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"server URL {self.url!r} must start with http:// or https://")
+        return self
 
 
 class PolicyConfig(_Section):
@@ -147,58 +165,87 @@ class EpisodeConfig(_Section):
     think_budget: int = Field(192, ge=0, description="extra new tokens per turn for reasoning in thinking mode")
 
 
-class GroupConfig(_Section):
-    """How episodes become GRPO groups and what each sequence is credited with."""
+# How a deal becomes groups and what each sequence is credited with (docs/training/README.md):
+# - episode: whole episodes on one deal, one score per sequence (GRPO's group baseline);
+# - episode-tokens: the same episodes, each answer's format tokens credited with its validity
+#   and its action word with the decision's Q* (per-token `advantages`);
+# - step: one group per decision, each answer scored by Q*(s, a), each sequence the shared
+#   prompt plus one answer;
+# - step-tokens: step groups with per-token advantages;
+# - step-counterfactual: step groups that also hold both valid calls, forced and carrying the
+#   policy's own logprobs: the exact all-action gradient (embedded and hf policies).
+CreditMode = Literal["episode", "episode-tokens", "step", "step-tokens", "step-counterfactual"]
+STEP_MODES = ("step", "step-tokens", "step-counterfactual")
+TOKEN_MODES = ("episode-tokens", "step-tokens", "step-counterfactual")
 
-    group_size: int = Field(16, ge=0, le=1024, description="episodes per group, all on one deal (step groups with "
-                                                           "--counterfactual: answers sampled besides the two calls, 0 allowed)")
+
+class GroupConfig(_Section):
+    """How episodes become GRPO groups and what each sequence is credited with: one credit mode
+    and the few parameters that vary within it, checked together here."""
+
+    credit: CreditMode = Field(
+        "episode", description="episode | episode-tokens (per-token format and Q* decision credit) | step (a group "
+                               "per decision, answers scored by Q*) | step-tokens | step-counterfactual (also both "
+                               "calls, forced, with the policy's logprobs: the exact all-action gradient)")
+    group_size: int = Field(16, ge=0, le=1024, description="episodes per group, all on one deal (step groups: answers "
+                                                           "per decision; step-counterfactual: answers sampled besides "
+                                                           "the two calls, 0 allowed)")
     drop_equal_scores: bool = Field(False, description="drop groups whose scores are all equal (no GRPO signal)")
     concurrency: int = Field(64, ge=1, description="episodes played at once")
-    group_by: Literal["episode", "step"] = Field(
-        "episode", description="episode: whole episodes on one deal; step: one group per decision, each answer "
-                               "scored by Q*(s, a), each sequence the shared prompt plus one answer"
-    )
     continue_with: Literal["sampled", "best"] = Field(
-        "sampled", description="step groups: the answer the canonical episode continues with"
+        "sampled", description="step modes: the answer the canonical episode continues with"
     )
-    token_advantages: bool = Field(
-        False, description="also emit per-token `advantages`: format tokens carry validity credit, the action token "
-                           "the decision's Q* credit (see docs/api.md)")
-    counterfactual: bool = Field(
-        False, description="step groups: also add both valid calls, forced, scored by Q* with the policy's own "
-                           "logprobs (exact all-action gradient; embedded and hf policies); implies token advantages")
     starts: Literal["deal", "chart"] = Field(
-        "deal", description="step groups: deal: each deal starts where the cards put it; chart: in a strategy-chart "
+        "deal", description="step modes: deal: each deal starts where the cards put it; chart: in a strategy-chart "
                             "state, hit-optimal or stick-optimal with equal chance (exploring starts, for training)")
-
     decisions: Literal["all", "first"] = Field(
-        "all", description="step groups: all: a group at every decision of a deal; first: at its first decision only "
-                           "(later prompts carry the game's history, which a small model reads as a shortcut: "
-                           "'my second call sticks')")
+        "all", description="step modes: all: a group at every decision of a deal; first: at its first decision only "
+                           "(later prompts carry the game's history)")
+    scale_decisions: bool = Field(
+        False, description="token modes: divide each decision's credit by |Q*(hit) - Q*(stick)| (floored at "
+                           "0.05), as GRPO divides a group by its spread, so every state weighs the same")
+    format_weight: float = Field(
+        1.0, ge=0.0, le=100.0, description="token modes: weight of the validity credit on an answer's format "
+                                           "tokens (0: train the decision only)")
+    balance_actions: bool = Field(False, description="train, step modes: weigh each batch's decisions so that "
+                                                     "hit-optimal and stick-optimal states count equally")
 
     @model_validator(mode="after")
-    def _forced_calls_only_in_counterfactual_step_groups(self) -> "GroupConfig":
-        if self.group_size == 0 and not (self.group_by == "step" and self.counterfactual):
-            raise ValueError("--group-size 0 makes groups of the two forced calls only: it needs --group-by step "
-                             "--counterfactual")
-        if self.starts != "deal" and self.group_by != "step":
-            raise ValueError("--starts chart is for step groups: use --group-by step")
-        if self.decisions != "all" and self.group_by != "step":
-            raise ValueError("--decisions first is for step groups: use --group-by step")
+    def _parameters_of_the_mode(self) -> "GroupConfig":
+        """The one place that says which parameters act in which credit mode."""
+        mode, defaults = self.credit, GroupConfig.model_fields
+        if self.group_size == 0 and mode != "step-counterfactual":
+            raise ValueError("--group-size 0 makes groups of the two forced calls only: it needs "
+                             "--credit step-counterfactual")
+        if mode not in STEP_MODES:
+            for name in ("continue_with", "starts", "decisions", "balance_actions"):
+                if getattr(self, name) != defaults[name].default:
+                    raise ValueError(f"--{name.replace('_', '-')} is for step groups: use --credit step, step-tokens "
+                                     f"or step-counterfactual (not {mode})")
+        if mode not in TOKEN_MODES:
+            for name in ("scale_decisions", "format_weight"):
+                if getattr(self, name) != defaults[name].default:
+                    raise ValueError(f"--{name.replace('_', '-')} weighs per-token advantages: use --credit "
+                                     f"episode-tokens, step-tokens or step-counterfactual (not {mode})")
         return self
+
+    @property
+    def group_by(self) -> Literal["episode", "step"]:
+        return "step" if self.credit in STEP_MODES else "episode"
+
+    @property
+    def counterfactual(self) -> bool:
+        return self.credit == "step-counterfactual"
+
+    @property
+    def token_advantages(self) -> bool:
+        return self.credit in TOKEN_MODES
 
     @property
     def sequences(self) -> int:
         """Sequences in each group: the sampled answers, plus the two forced calls of a
         counterfactual step group."""
-        return self.group_size + (2 if self.counterfactual and self.group_by == "step" else 0)
-
-    scale_decisions: bool = Field(
-        False, description="token advantages: divide each decision's credit by |Q*(hit) - Q*(stick)| (floored at "
-                           "0.05), as GRPO divides a group by its spread, so every state weighs the same")
-    format_weight: float = Field(
-        1.0, ge=0.0, le=100.0, description="token advantages: weight of the validity credit on an answer's format "
-                                           "tokens (0: train the decision only)")
+        return self.group_size + (2 if self.counterfactual else 0)
 
 
 class EvalConfig(_Section):
@@ -279,8 +326,6 @@ class TrainConfig(_Section):
     clip_eps: float = Field(0.2, gt=0, description="PPO clip of the importance ratio")
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the initial model (0: no reference model)")
     scale_advantages: bool = Field(True, description="divide advantages by the group's score std (GRPO; off: Dr. GRPO)")
-    balance_actions: bool = Field(False, description="weigh each batch's decisions so that hit-optimal and "
-                                                     "stick-optimal states count equally (step groups)")
     updates_per_batch: int = Field(1, ge=1, description="optimizer steps on each batch (>1 makes later ones off-policy)")
     lora: bool = Field(False, description="train LoRA adapters (peft) instead of every weight")
     lora_rank: int = Field(16, ge=1, description="LoRA rank")

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Literal, NamedTuple, TypedDict
 
-from .game import Observation, Rules, Table
-from .protocol import ACTION_NAMES, STICK, ParsedAction, observation_text, parse_action, system_prompt, tool_call_text
-from .records import DecisionRecord, Outcome, Status, Truncation
-from .solver import Solution, solve
+from blackjack_rl.game.table import Observation, Rules, Table
+from blackjack_rl.contract.protocol import ACTION_NAMES, STICK, ParsedAction, observation_text, parse_action, system_prompt, tool_call_text
+from blackjack_rl.contract.records import DecisionRecord, Outcome, Status, Truncation
+from blackjack_rl.game.solver import Solution, solve
 
 Scoring = Literal["outcome", "expected"]
 
@@ -129,7 +129,52 @@ def solution_for(rules: Rules) -> Solution:
     return solve(rules)
 
 
-StepResult = tuple[str | None, float, bool, bool, dict[str, Any]]
+class StateInfo(TypedDict):
+    player_sum: int
+    dealer_card: int
+    usable_ace: bool
+    natural: bool
+
+
+class ParseInfo(TypedDict):
+    valid: bool
+    action: str | None
+    error: str | None
+    detail: str | None
+
+
+class StepInfo(TypedDict, total=False):
+    """`info` of reset and step: a plain dict, as Gymnasium and the trainers' adapters pass it on,
+    with these keys. The decision at hand: `state`, `q` (Q* of both actions), `optimal`; after
+    an answer also `parse`, `regret` (valid answers), `status`, `outcome`, `turn`, `retries`,
+    and once the episode is over `score`, `scores`, `invalid_reason`, `game_reward`."""
+
+    seed: int
+    start_value: float
+    state: StateInfo
+    q: dict[str, float]
+    optimal: str
+    parse: ParseInfo
+    regret: float
+    status: Status
+    outcome: Outcome | None
+    turn: int
+    retries: int
+    score: float | None
+    scores: dict[str, float]
+    invalid_reason: str | None
+    game_reward: float | None
+
+
+class StepResult(NamedTuple):
+    """Gymnasium's five values, by name: the next user turn (None when the game is over), the
+    reward, terminated, truncated, and the info."""
+
+    observation: str | None
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: StepInfo
 
 
 class BlackjackEnv:
@@ -175,7 +220,7 @@ class BlackjackEnv:
         return len(self.play.decisions)
 
     def reset(self, seed: int, record: Play | None = None, start: Observation | None = None
-              ) -> tuple[list[dict[str, str]], dict[str, Any]]:
+              ) -> tuple[list[dict[str, str]], StepInfo]:
         """Deal `seed` (the same seed always deals the same cards and draws). `record`, when
         given, is filled in place of a fresh `Play` (episode play passes its `Episode`).
         `start` begins the game in that state instead of the dealt one (exploring starts)."""
@@ -214,9 +259,9 @@ class BlackjackEnv:
             retry_left = play.retries < self.settings.invalid_retries and self.turn < self.settings.max_turns
             if allow_retry and retry_left:
                 play.retries += 1
-                return retry_text(parsed, obs), 0.0, False, False, self._more(info)
+                return StepResult(retry_text(parsed, obs), 0.0, False, False, self._more(info))
             play.status, play.invalid_reason = Status.INVALID, parsed.error.value
-            return None, self._score(), True, False, self._more(info)
+            return StepResult(None, self._score(), True, False, self._more(info))
 
         regret = self.solution.regret(obs, parsed.action, natural)
         info["regret"] = regret
@@ -225,13 +270,13 @@ class BlackjackEnv:
         if result.terminated:
             play.status, play.reward = Status.FINISHED, result.reward
             play.outcome = Outcome.WIN if result.reward > 0 else Outcome.LOSS if result.reward < 0 else Outcome.DRAW
-            return None, self._score(), True, False, self._more(info)
+            return StepResult(None, self._score(), True, False, self._more(info))
         self.observation = result.observation
         next_text = observation_text(*result.observation)
         if self.turn >= self.settings.max_turns:
             self.truncate(Truncation.TURN_LIMIT)
-            return next_text, float(play.score), False, True, self._more(info)
-        return next_text, 0.0, False, False, self._more(info)
+            return StepResult(next_text, float(play.score), False, True, self._more(info))
+        return StepResult(next_text, 0.0, False, False, self._more(info))
 
     def truncate(self, reason: str) -> float:
         """End the episode without a game result (turn limit, or a caller's token budget); scored like invalid."""
@@ -259,7 +304,7 @@ class BlackjackEnv:
     def _record_hands(self) -> None:
         self.play.player_hand, self.play.dealer_hand = self.table.player_hand, self.table.dealer_hand
 
-    def _state_info(self) -> dict[str, Any]:
+    def _state_info(self) -> StepInfo:
         """The decision at hand: the state, Q* of both actions and the optimal action."""
         obs, natural = self.observation, self.natural
         q_stick, q_hit = self.solution.q_values(obs, natural)
@@ -270,7 +315,7 @@ class BlackjackEnv:
             "optimal": ACTION_NAMES[self.solution.best_action(obs, natural)],
         }
 
-    def _more(self, info: dict[str, Any]) -> dict[str, Any]:
+    def _more(self, info: StepInfo) -> StepInfo:
         """After an answer: how the episode stands."""
         play = self.play
         info.update(status=play.status, outcome=play.outcome, turn=self.turn, retries=play.retries)

@@ -6,7 +6,7 @@ Gymnasium one needs nothing beyond the core install. Importing this package regi
 ``blackjack_rl/BlackjackText-v0`` with Gymnasium.
 """
 
-from .gym_env import ENV_ID, register_gymnasium
+from blackjack_rl.adapters.gym_env import ENV_ID, register_gymnasium
 
 register_gymnasium()
 

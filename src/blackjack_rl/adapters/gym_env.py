@@ -14,9 +14,9 @@ from typing import Any
 import gymnasium
 from gymnasium import spaces
 
-from ..env import BlackjackEnv, EnvSettings, solution_for
-from ..game import Rules
-from ..solver import Solution
+from blackjack_rl.env import BlackjackEnv, EnvSettings, solution_for
+from blackjack_rl.game.table import Rules
+from blackjack_rl.game.solver import Solution
 
 ENV_ID = "blackjack_rl/BlackjackText-v0"
 ENTRY_POINT = "blackjack_rl.adapters.gym_env:BlackjackTextEnv"

@@ -14,8 +14,8 @@ from typing import Any
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_gym.envs.registration import register, registry
 
-from ..env import BlackjackEnv, EnvSettings, solution_for
-from ..game import Rules
+from blackjack_rl.env import BlackjackEnv, EnvSettings, solution_for
+from blackjack_rl.game.table import Rules
 
 ENV_ID = "blackjack_rl"
 _SETTING_FIELDS = set(EnvSettings.__dataclass_fields__)

@@ -19,9 +19,9 @@ import inspect
 from collections.abc import Iterable
 from typing import Any
 
-from ..env import BlackjackEnv, EnvSettings, solution_for
-from ..game import Rules
-from ..protocol import TOOL_NAME
+from blackjack_rl.env import BlackjackEnv, EnvSettings, solution_for
+from blackjack_rl.game.table import Rules
+from blackjack_rl.contract.protocol import TOOL_NAME
 
 
 class GameOver(RuntimeError):

@@ -16,9 +16,9 @@ from typing import Any
 import verifiers as vf
 from datasets import Dataset
 
-from ..env import BlackjackEnv, EnvSettings, solution_for
-from ..evaluate import eval_seeds
-from ..game import Rules
+from blackjack_rl.env import BlackjackEnv, EnvSettings, solution_for
+from blackjack_rl.rollout.runner import eval_seeds
+from blackjack_rl.game.table import Rules
 
 _STATE_KEY = "blackjack_env"
 _SETTING_FIELDS = set(EnvSettings.__dataclass_fields__)

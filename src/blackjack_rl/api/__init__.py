@@ -4,8 +4,8 @@
 (with retries and an on-disk outbox); `TrainerClient` pulls batches.
 """
 
-from .client import ApiRejected, ApiUnavailable, Batch, EnvClient, TrainerClient
-from .server import create_app
-from .settings import ApiConfig
+from blackjack_rl.api.client import ApiRejected, ApiUnavailable, Batch, EnvClient, TrainerClient
+from blackjack_rl.api.server import create_app
+from blackjack_rl.api.settings import ApiConfig
 
 __all__ = ["ApiConfig", "ApiRejected", "ApiUnavailable", "Batch", "EnvClient", "TrainerClient", "create_app"]

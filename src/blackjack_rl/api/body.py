@@ -10,7 +10,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import AsyncIterator
 
-from .errors import ApiError
+from blackjack_rl.api.errors import ApiError
 
 _GZIP_WBITS = 16 + zlib.MAX_WBITS
 #: Bytes of compressed input handed to zlib at a time (bounds the copy zlib makes per member).

@@ -9,8 +9,8 @@ import textwrap
 
 from pydantic import ValidationError
 
-from ..cli_options import Parser, add_options, given, options_of, select, validation_error
-from .settings import ApiConfig
+from blackjack_rl.cli_options import Parser, add_options, given, options_of, select, validation_error
+from blackjack_rl.api.settings import ApiConfig
 
 def _epilog() -> str:
     prefix = ApiConfig.model_config.get("env_prefix", "")
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 def serve(config: ApiConfig) -> int:
     import uvicorn
 
-    from .server import create_app
-    from .store import Store
+    from blackjack_rl.api.server import create_app
+    from blackjack_rl.api.store import Store
 
     if config.host not in ("127.0.0.1", "localhost", "::1") and config.token is None:
         print(

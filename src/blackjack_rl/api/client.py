@@ -22,16 +22,16 @@ from typing import Any
 import httpx
 import pydantic_core
 
-from ..httpclient import http_client
-from ..retry import RetriesExhausted, Retryable, RetryPolicy, retry_after_seconds, retry_async, retry_sync
-from .models import (
+from blackjack_rl.httpclient import http_client
+from blackjack_rl.retry import RetriesExhausted, Retryable, RetryPolicy, retry_after_seconds, retry_async, retry_sync
+from blackjack_rl.api.models import (
     Registration,
     RegisterEnv,
     RegisterEnvResponse,
     StatusEnvResponse,
     StatusResponse,
 )
-from .outbox import Outbox, Rejected
+from blackjack_rl.api.outbox import Outbox, Rejected
 
 WAIT_FOR_TRAINER = "wait for trainer to start"
 

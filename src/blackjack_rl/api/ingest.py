@@ -25,11 +25,11 @@ import msgspec
 import pydantic_core
 from pydantic import TypeAdapter, ValidationError
 
-from ..tokens import MASKED
-from .batching import divisors_text
-from .body import gunzip_limited
-from .errors import ApiError
-from .models import (
+from blackjack_rl.contract.tokens import MASKED
+from blackjack_rl.api.batching import divisors_text
+from blackjack_rl.api.body import gunzip_limited
+from blackjack_rl.api.errors import ApiError
+from blackjack_rl.api.models import (
     FLOAT_FIELDS,
     INTEGERS_SEEN,
     SCORED_DATA_FIELDS,

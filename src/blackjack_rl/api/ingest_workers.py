@@ -24,9 +24,9 @@ from functools import partial
 import anyio
 import anyio.to_thread
 
-from ..policies.threads import usable_cpus
-from .errors import ApiError
-from .ingest import IngestContext, PreparedGroup, prepare_groups
+from blackjack_rl.threads import usable_cpus
+from blackjack_rl.api.errors import ApiError
+from blackjack_rl.api.ingest import IngestContext, PreparedGroup, prepare_groups
 
 log = logging.getLogger(__name__)
 

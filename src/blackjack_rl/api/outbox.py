@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .dblock import take_lock
+from blackjack_rl.api.dblock import take_lock
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS pending(

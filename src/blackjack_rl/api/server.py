@@ -20,13 +20,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .body import content_coding, gunzip_limited, read_limited
-from .errors import ApiError
-from .ingest import decode_payload, payload_parts
-from .ingest_workers import IngestPool
-from .models import EnvIdentifier, Registration, RegisterEnv
-from .settings import ApiConfig
-from .store import BatchRows, Store, StoreRunner
+from blackjack_rl.api.body import content_coding, gunzip_limited, read_limited
+from blackjack_rl.api.errors import ApiError
+from blackjack_rl.api.ingest import decode_payload, payload_parts
+from blackjack_rl.api.ingest_workers import IngestPool
+from blackjack_rl.api.models import EnvIdentifier, Registration, RegisterEnv
+from blackjack_rl.api.settings import ApiConfig
+from blackjack_rl.api.store import BatchRows, Store, StoreRunner
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .dblock import DatabaseLock, take_lock
-from .batching import (
+from blackjack_rl.api.dblock import DatabaseLock, take_lock
+from blackjack_rl.api.batching import (
     Candidate,
     divisors_text,
     form_batch,
@@ -39,9 +39,9 @@ from .batching import (
     runapi_buffer_release,
     window_for,
 )
-from .errors import ApiError
-from .ingest import IngestContext, PreparedGroup, known_envs_text
-from .models import Registration, RegisterEnv
+from blackjack_rl.api.errors import ApiError
+from blackjack_rl.api.ingest import IngestContext, PreparedGroup, known_envs_text
+from blackjack_rl.api.models import Registration, RegisterEnv
 
 SCHEMA_VERSION = "1"
 MIN_ENV_WEIGHT = 0.01  # as Atropos: no environment's weight drops to zero

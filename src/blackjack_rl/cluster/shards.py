@@ -27,10 +27,10 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from ..config import Settings
-from ..episode import Episode
-from ..groups import GroupResult
-from . import ClusterError, connected, node_failure_errors, task_error
+from blackjack_rl.config import Settings
+from blackjack_rl.rollout.episodes import Episode
+from blackjack_rl.rollout.runner import DealResult, DealRunner
+from blackjack_rl.cluster import ClusterError, connected, node_failure_errors, task_error
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class ShardPlayer:
     """One Ray actor: a player built from the run's settings, playing shards on request."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        from ..players import build_player
+        from blackjack_rl.rollout.players import build_player
 
         self.settings = Settings(**settings)
         self.player = build_player(self.settings)
@@ -53,16 +53,11 @@ class ShardPlayer:
         return ray.get_runtime_context().get_node_id()
 
     async def evaluate(self, first: int, count: int) -> list[Episode]:
-        from ..evaluate import run_evaluation
+        runner = DealRunner(self.player, self.settings.groups, self.settings.evaluate.concurrency)
+        return await runner.evaluation(count, first)
 
-        return await run_evaluation(self.player, count, self.settings.evaluate.concurrency, first=first)
-
-    async def deals(self, seeds: list[int]) -> list[list[GroupResult]]:
-        from ..deals import play_deal
-
-        g = self.settings.groups
-        limiter = asyncio.Semaphore(g.concurrency)
-        return list(await asyncio.gather(*(play_deal(self.player, s, g, limiter) for s in seeds)))
+    async def deals(self, seeds: list[int]) -> list[DealResult]:
+        return await DealRunner(self.player, self.settings.groups, self.settings.groups.concurrency).play_all(seeds)
 
 
 @dataclass
@@ -97,7 +92,7 @@ class Shards:
     # -- the two jobs ------------------------------------------------------------------
 
     async def evaluate(self, n: int, advance: Callable[[int], Any]) -> list[Episode]:
-        """`jobs.EpisodeSource`: the first n evaluation deals, in seed order."""
+        """`jobs.evaluate.EpisodeSource`: the first n evaluation deals, in seed order."""
         size = self._chunk(n, 500)
         chunks = [(first, min(size, n - first)) for first in range(0, n, size)]
         results: dict[int, list[Episode]] = {}
@@ -106,17 +101,17 @@ class Shards:
             advance(len(episodes))
         return [ep for i in range(len(chunks)) for ep in results[i]]
 
-    async def deals(self, seeds: list[int]) -> AsyncIterator[list[GroupResult]]:
-        """`jobs.DealSource`: each deal's results, in seed order, as soon as all before it are in."""
+    async def deals(self, seeds: list[int]) -> AsyncIterator[DealResult]:
+        """`jobs.process.DealSource`: each deal's results, in seed order, as soon as all before it are in."""
         size = self._chunk(len(seeds), 64)
         chunks = [(seeds[i:i + size],) for i in range(0, len(seeds), size)]
-        done: dict[int, list[list[GroupResult]]] = {}
+        done: dict[int, list[DealResult]] = {}
         next_out = 0
         async for index, per_deal in self._run("deals", chunks):
             done[index] = per_deal
             while next_out in done:
-                for results in done.pop(next_out):
-                    yield results
+                for deal in done.pop(next_out):
+                    yield deal
                 next_out += 1
 
     def _chunk(self, n: int, largest: int) -> int:

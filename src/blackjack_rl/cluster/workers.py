@@ -28,10 +28,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..api.dblock import DatabaseInUse
-from ..config import Settings
-from ..env_worker import ServeStats
-from . import ClusterError, connected, node_failure_errors, task_error
+from blackjack_rl.api.dblock import DatabaseInUse
+from blackjack_rl.config import Settings
+from blackjack_rl.jobs.serve import ServeStats
+from blackjack_rl.cluster import ClusterError, connected, node_failure_errors, task_error
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,8 @@ class ServeWorker:
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def run(self) -> ServeStats:
-        from ..players import build_player
-        from ..env_worker import serve
+        from blackjack_rl.rollout.players import build_player
+        from blackjack_rl.jobs.serve import serve
 
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 

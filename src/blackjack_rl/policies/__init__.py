@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .base import Policy
-from .sampling import Sampling
+from blackjack_rl.policies.base import Policy
+from blackjack_rl.policies.sampling import Sampling
 
 if TYPE_CHECKING:
-    from ..config import PolicyConfig, Settings
-    from ..tokens import ChatFormat
+    from blackjack_rl.config import PolicyConfig, Settings
+    from blackjack_rl.contract.tokens import ChatFormat
 
 BOTS = ("optimal", "threshold", "random")
 
@@ -51,13 +51,13 @@ def make_policy(settings: Settings) -> BuiltPolicy:
     check_supported(p)
     sampling = sampling_of(settings)
     if p.kind == "hf":
-        from .torch.policy import TorchPolicy  # needs the `train` extra (torch)
+        from blackjack_rl.policies.torch.policy import TorchPolicy  # needs the `train` extra (torch)
 
         policy: Any = TorchPolicy.load(p.model_path, sampling=sampling, threads=p.n_threads,
                                        max_batch=settings.evaluate.concurrency)
         return BuiltPolicy(policy, policy.chat)
     if p.kind == "embedded":
-        from .embedded import EmbeddedPolicy
+        from blackjack_rl.policies.embedded import EmbeddedPolicy
 
         policy = EmbeddedPolicy(
             p.model_path,
@@ -68,13 +68,13 @@ def make_policy(settings: Settings) -> BuiltPolicy:
             constrained=p.constrained,
         )
         return BuiltPolicy(policy, policy.chat)
-    from ..tokens import ChatFormat
+    from blackjack_rl.contract.tokens import ChatFormat
 
     chat = ChatFormat.learn(_tokenizer_for(p))
     structured = p.structured_output if p.constrained else None
     if p.kind == "openai" and (p.servers or p.token_path is not None):
-        from .openai_completions import OpenAICompletionsPolicy
-        from .pool import ServerPool, ServerSpec
+        from blackjack_rl.policies.openai_completions import OpenAICompletionsPolicy
+        from blackjack_rl.policies.pool import ServerPool, ServerSpec
 
         specs = [ServerSpec(s.url, s.weight, s.max_concurrency) for s in p.servers] or [ServerSpec(p.base_url)]
         pool = ServerPool(specs, api_key=p.api_key, timeout=p.timeout, retries=p.retries,
@@ -84,14 +84,14 @@ def make_policy(settings: Settings) -> BuiltPolicy:
             native_tools=p.native_tools, structured_output=structured,
         ), chat)
     if p.kind == "openai":
-        from .openai_chat import OpenAIChatPolicy
+        from blackjack_rl.policies.openai_chat import OpenAIChatPolicy
 
         return BuiltPolicy(OpenAIChatPolicy(
             p.base_url, p.model or "", api_key=p.api_key, sampling=sampling, timeout=p.timeout, retries=p.retries,
             native_tools=p.native_tools, structured_output=structured,
         ), chat)
-    from ..solver import solve
-    from .bots import OptimalBot, RandomBot, ThresholdBot
+    from blackjack_rl.game.solver import solve
+    from blackjack_rl.policies.bots import OptimalBot, RandomBot, ThresholdBot
 
     bots = {"optimal": lambda: OptimalBot(solve(settings.game.rules)),
             "threshold": lambda: ThresholdBot(p.threshold), "random": RandomBot}
@@ -133,7 +133,7 @@ def check_supported(p: PolicyConfig) -> None:
 
 def _tokenizer_for(p: PolicyConfig):
     """Bots are tokenized like the embedded model unless told otherwise; servers by their own tokenizer."""
-    from ..tokens import HFTokenizer, LlamaCppTokenizer, embedded_model_path
+    from blackjack_rl.contract.tokens import HFTokenizer, LlamaCppTokenizer, embedded_model_path
 
     name = p.tokenizer or (p.model if p.kind == "openai" else None)
     if name is None:

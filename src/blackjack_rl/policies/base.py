@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # game.py imports Gymnasium, which the command line's help does not need
-    from ..game import Observation
+    from blackjack_rl.game.table import Observation
 
 
 class InferenceError(RuntimeError):
@@ -46,8 +46,8 @@ class Reply:
 
 @runtime_checkable
 class Policy(Protocol):
-    """A player. Optionally also `async respond_many(turn, n) -> list[Reply]`: n answers to
-    one prompt in one request, which groups use for their shared first turn."""
+    """A player. What some policies can do besides is declared by the protocols below, and
+    callers ask `isinstance(policy, AnswersMany)`, never probe for a method by name."""
 
     name: str
 
@@ -60,15 +60,41 @@ class Policy(Protocol):
     async def aclose(self) -> None: ...
 
 
+@runtime_checkable
+class AnswersMany(Protocol):
+    """n answers to one prompt in one request (one prefill): groups use it for a shared prompt."""
+
+    async def respond_many(self, turn: Turn, n: int) -> list[Reply]: ...
+
+
+@runtime_checkable
+class ScoresAnswers(Protocol):
+    """The model's logprob of every token of given answers, without sampling: counterfactual
+    step groups and the exact strategy chart need it."""
+
+    async def answer_logprobs(self, prompt_ids: Sequence[int], answers: Sequence[Sequence[int]],
+                              temperature: float | None = None) -> list[list[float]]: ...
+
+    async def answer_logprobs_many(self, items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+                                   temperature: float | None = None,
+                                   same_kernels: bool = True) -> list[list[list[float]]]: ...
+
+
+@runtime_checkable
+class KnowsItsPolicy(Protocol):
+    """A scripted bot, whose probability of hitting in a state is known exactly."""
+
+    def hit_probability(self, observation: Observation, natural: bool) -> float: ...
+
+
 async def answers_at_once(policy: Policy, turn: Turn, n: int) -> list[Reply] | None:
     """n answers to one prompt in one request (`respond_many`, one prefill on a server that
     honours `n`), or None when the policy cannot, answers short, or fails: the caller then asks
     one by one, and each of those requests reports its own failure."""
-    respond_many = getattr(policy, "respond_many", None)
-    if respond_many is None or n < 2:
+    if not isinstance(policy, AnswersMany) or n < 2:
         return None
     try:
-        replies = list(await respond_many(turn, n))
+        replies = list(await policy.respond_many(turn, n))
     except InferenceError:
         return None
     return replies if len(replies) == n else None

@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ..protocol import HIT, STICK, tool_call_text
-from ..solver import Solution
-from .base import Reply, Turn
+from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text
+from blackjack_rl.game.solver import Solution
+from blackjack_rl.policies.base import Reply, Turn
 
 
 class _Bot:

@@ -15,13 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol import ACTION_NAMES, tool_call_text
-from ..tokens import ChatFormat, LlamaCppTokenizer, common_prefix_length, embedded_model_path
-from .base import InferenceError, Reply, Turn
-from .llama_batch import BatchDecoder, Job, log_softmax_at
-from .llama_load import load_llama
-from .sampling import Sampling
-from .threads import ThreadChooser, usable_cpus
+from blackjack_rl.contract.protocol import ACTION_NAMES, tool_call_text
+from blackjack_rl.contract.tokens import ChatFormat, LlamaCppTokenizer, common_prefix_length, embedded_model_path
+from blackjack_rl.policies.base import InferenceError, Reply, Turn
+from blackjack_rl.policies.llama_batch import BatchDecoder, Job, log_softmax_at
+from blackjack_rl.policies.llama_load import load_llama
+from blackjack_rl.policies.sampling import Sampling
+from blackjack_rl.threads import ThreadChooser, usable_cpus
 
 # Constrained decoding: the only valid answers are these two texts, followed by the
 # end-of-turn token. Used for play and evaluation, never for training data:
@@ -369,7 +369,7 @@ def _gguf_adapter(path: Path, model_path: Path) -> Path:
     source = path / "adapter_model.safetensors"
     if not converted.is_file() or converted.stat().st_mtime < source.stat().st_mtime:
         try:
-            from .gguf_lora import export_gguf_lora
+            from blackjack_rl.policies.gguf_lora import export_gguf_lora
         except ImportError as exc:
             raise ImportError("converting a peft adapter needs the train extra: pip install 'blackjack-rl[train]'") from exc
         export_gguf_lora(path, converted, model_path)

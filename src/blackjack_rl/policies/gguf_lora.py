@@ -38,7 +38,7 @@ def export_gguf_lora(adapter_dir: str | Path, out_path: str | Path, base_gguf: s
     import gguf
     from safetensors.numpy import load_file
 
-    from ..tokens import embedded_model_path
+    from blackjack_rl.contract.tokens import embedded_model_path
 
     adapter_dir = Path(adapter_dir)
     config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))

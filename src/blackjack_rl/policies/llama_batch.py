@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from ..tokens import common_prefix_length
-from .base import InferenceError, Reply
-from .sampling import Sampling
+from blackjack_rl.contract.tokens import common_prefix_length
+from blackjack_rl.policies.base import InferenceError, Reply
+from blackjack_rl.policies.sampling import Sampling
 
 _COPY_GAIN = 32  # copy another stream's prefix when it saves at least this many prompt tokens
 

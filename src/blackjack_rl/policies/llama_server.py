@@ -4,7 +4,7 @@ buffers, so it also runs on the machines where ggml's AMX kernels crash (see lla
 
 from __future__ import annotations
 
-from .llama_load import plain_cpu_buffers
+from blackjack_rl.policies.llama_load import plain_cpu_buffers
 
 
 def main() -> None:

@@ -17,11 +17,11 @@ from typing import Any
 
 import aiohttp
 
-from ..protocol import TOOLS
-from ..retry import RetriesExhausted, Retryable, RetryPolicy, retry_after_seconds, retry_async
-from .base import InferenceError, Reply, Turn
-from .sampling import Sampling
-from .structured import structured_output_fields
+from blackjack_rl.contract.protocol import TOOLS
+from blackjack_rl.retry import RetriesExhausted, Retryable, RetryPolicy, retry_after_seconds, retry_async
+from blackjack_rl.policies.base import InferenceError, Reply, Turn
+from blackjack_rl.policies.sampling import Sampling
+from blackjack_rl.policies.structured import structured_output_fields
 
 _RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504}
 

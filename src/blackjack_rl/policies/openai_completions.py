@@ -33,13 +33,13 @@ from typing import Any, Literal, Protocol, Sequence
 
 import httpx
 
-from ..protocol import TOOLS
-from ..tokens import ChatFormat
-from .base import InferenceError, Reply, Turn
-from .openai_chat import chat_replies, chat_sampling
-from .pool import ServerPool, affinity_key
-from .sampling import Sampling
-from .structured import CALL_SCHEMA, structured_output_fields
+from blackjack_rl.contract.protocol import TOOLS
+from blackjack_rl.contract.tokens import ChatFormat
+from blackjack_rl.policies.base import InferenceError, Reply, Turn
+from blackjack_rl.policies.openai_chat import chat_replies, chat_sampling
+from blackjack_rl.policies.pool import ServerPool, affinity_key
+from blackjack_rl.policies.sampling import Sampling
+from blackjack_rl.policies.structured import CALL_SCHEMA, structured_output_fields
 
 log = logging.getLogger(__name__)
 

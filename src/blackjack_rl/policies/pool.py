@@ -39,9 +39,9 @@ from typing import Any, Iterable, Sequence
 import httpcore
 import httpx
 
-from ..httpclient import http_client
-from ..retry import RetriesExhausted, Retryable, RetryPolicy, retry_after_seconds, retry_async
-from .base import InferenceError
+from blackjack_rl.httpclient import http_client
+from blackjack_rl.retry import RetriesExhausted, Retryable, RetryPolicy, retry_after_seconds, retry_async
+from blackjack_rl.policies.base import InferenceError
 
 log = logging.getLogger(__name__)
 
@@ -88,17 +88,6 @@ class ServerSpec:
             raise ValueError(f"server {self.url}: weight must be > 0, got {self.weight}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"server {self.url}: max_concurrency must be >= 1")
-
-    @classmethod
-    def parse(cls, text: str) -> "ServerSpec":
-        """`URL` or `URL,WEIGHT` (the `--server` flag's format)."""
-        url, sep, weight = text.strip().rpartition(",")
-        if not sep:
-            return cls(weight)
-        try:
-            return cls(url.strip(), float(weight))
-        except ValueError as exc:
-            raise ValueError(f"--server {text!r}: expected URL or URL,WEIGHT with a positive number ({exc})") from exc
 
 
 def affinity_key(messages: Sequence[dict]) -> str | None:

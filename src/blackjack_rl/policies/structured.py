@@ -4,9 +4,10 @@ can name the modes without loading an HTTP library."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
-from ..protocol import ACTION_NAMES, TOOL_NAME, TOOLS
+from blackjack_rl.config import StructuredOutput
+from blackjack_rl.contract.protocol import ACTION_NAMES, TOOL_NAME, TOOLS
 
 # The one answer a constrained server may give: a take_action call as a bare JSON object,
 # which the parser accepts as readily as the <tool_call> form.
@@ -27,7 +28,6 @@ CALL_SCHEMA: dict[str, Any] = {
 
 # How each kind of server is asked for structured output (request fields, from each server's docs),
 # and what each is called in reports.
-StructuredOutput = Literal["json_schema", "json_object", "structured_outputs", "guided_json", "tool_choice"]
 STRUCTURED_OUTPUT_MODES: tuple[str, ...] = get_args(StructuredOutput)
 MODE_TEXT: dict[str, str] = {
     "json_schema": "structured output (response_format json_schema)",

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..outputs import prepare_folder, write_text
-from ..compare import QUANTITIES, Comparison, Run, verdict
-from . import plots
-from .modes import decoding_mode
+from blackjack_rl.outputs import prepare_folder, write_text
+from blackjack_rl.measure.compare import QUANTITIES, Comparison, Run, verdict
+from blackjack_rl.report import plots
+from blackjack_rl.report.modes import decoding_mode
 
 HEADLINE = ("outcome", "expected")  # the quantities the verdicts and the plot are about
 
@@ -69,7 +69,7 @@ def comparison_context(runs: Sequence[Run], comparisons: Sequence[Comparison]) -
 
 
 def render_comparison(runs: Sequence[Run], comparisons: Sequence[Comparison]) -> str:
-    from .html import environment
+    from blackjack_rl.report.html import environment
 
     return environment().get_template("compare.html.jinja").render(**comparison_context(runs, comparisons))
 

@@ -7,8 +7,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table as RichTable
 
-from ..records import MeanCI, Metrics, RateCI
-from ..solver import DEALER_CARDS, HIT, Solution, baselines
+from blackjack_rl.contract.records import MeanCI, Metrics, RateCI
+from blackjack_rl.game.solver import DEALER_CARDS, HIT, Solution, baselines
 
 
 def _dealer_label(d: int) -> str:
@@ -111,9 +111,9 @@ def print_comparison(runs: list[Any], comparisons: list[Any], console: Console) 
     """Runs side by side, then every run against the first, paired by seed."""
     from rich.markup import escape
 
-    from ..compare import QUANTITIES, verdict
-    from .comparison import HEADLINE
-    from .modes import short_mode
+    from blackjack_rl.measure.compare import QUANTITIES, verdict
+    from blackjack_rl.report.comparison import HEADLINE
+    from blackjack_rl.report.modes import short_mode
 
     t = RichTable(title="Evaluation runs")
     for col in ("run", "decoding", "deals", "mean reward (95% CI)", "win", "invalid", "accuracy"):

@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..outputs import write_text
-from ..records import EpisodeRecord, ScoredDataGroup, SequenceRecord, StepRecord
-from ..tokens import MASKED
-from .html import environment, script_json
+from blackjack_rl.outputs import write_text
+from blackjack_rl.contract.records import EpisodeRecord, ScoredDataGroup, SequenceRecord, StepRecord
+from blackjack_rl.contract.tokens import MASKED
+from blackjack_rl.report.html import environment, script_json
 
 CHUNK_GROUPS = 200
 FLUSH_SECONDS = 5.0

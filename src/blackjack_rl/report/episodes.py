@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from ..records import SCORED_AS_INVALID, SampleRow, Status
+from blackjack_rl.contract.records import SCORED_AS_INVALID, SampleRow, Status
 
 Row = SampleRow
 

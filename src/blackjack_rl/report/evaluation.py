@@ -12,14 +12,14 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..outputs import write_text
-from ..records import Metrics, SampleRow
-from ..solver import Solution, solve
-from . import plots
-from .episodes import compact, invalid_examples, sample
-from .html import accuracy_colour, cost_colour, environment, hit_colour
-from .modes import decoding_mode
-from .strategy import chart, costliest, state_stats
+from blackjack_rl.outputs import write_text
+from blackjack_rl.contract.records import Metrics, SampleRow
+from blackjack_rl.game.solver import Solution, solve
+from blackjack_rl.report import plots
+from blackjack_rl.report.episodes import compact, invalid_examples, sample
+from blackjack_rl.report.html import accuracy_colour, cost_colour, environment, hit_colour
+from blackjack_rl.report.modes import decoding_mode
+from blackjack_rl.report.strategy import chart, costliest, state_stats
 
 EPISODE_SAMPLE = 400
 
@@ -103,8 +103,8 @@ def report_context(metrics: Metrics, rows: list[SampleRow], solution: Solution) 
 
 def _grid_context(metrics: Metrics, solution: Solution) -> dict[str, Any]:
     """The exact chart, when `evaluate --grid` measured it."""
-    from ..solver import DEALER_CARDS
-    from .gridpage import grid_rows
+    from blackjack_rl.game.solver import DEALER_CARDS
+    from blackjack_rl.report.gridpage import grid_rows
 
     g = metrics.grid
     if not g:

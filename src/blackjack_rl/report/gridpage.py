@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..grid import GridEvaluation
-from ..solver import DEALER_CARDS, HARD_SUMS, HIT, SOFT_SUMS, Solution
-from .html import environment
+from blackjack_rl.measure.grid import GridEvaluation
+from blackjack_rl.game.solver import DEALER_CARDS, HARD_SUMS, HIT, SOFT_SUMS, Solution
+from blackjack_rl.report.html import environment
 
 
 def grid_rows(evaluation: GridEvaluation | Mapping[str, Any], solution: Solution) -> list[dict[str, Any]]:

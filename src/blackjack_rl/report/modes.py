@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..policies.structured import MODE_TEXT
+from blackjack_rl.policies.structured import MODE_TEXT
 
 SCRIPTED = ("optimal", "random", "always_stick", "")  # bots name themselves; threshold bots "threshold-N"
 

@@ -8,8 +8,8 @@ from typing import Sequence
 
 from pydantic import ValidationError
 
-from ..compare import Run
-from ..records import Metrics, SampleRow
+from blackjack_rl.measure.compare import Run
+from blackjack_rl.contract.records import Metrics, SampleRow
 
 
 def load_run(folder: str | Path, name: str | None = None) -> Run:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..records import SampleRow, Status
-from ..solver import DEALER_CARDS, HARD_SUMS, HIT, SOFT_SUMS, Solution
+from blackjack_rl.contract.records import SampleRow, Status
+from blackjack_rl.game.solver import DEALER_CARDS, HARD_SUMS, HIT, SOFT_SUMS, Solution
 
 CellKey = tuple[int, int, bool]  # (player_sum, dealer_card, soft)
 

@@ -17,9 +17,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..policies.torch.logprobs import Targets, token_logprobs
-from ..records import decision_record
-from ..tokens import MASKED
+from blackjack_rl.policies.torch.logprobs import Targets, token_logprobs
+from blackjack_rl.contract.records import decision_record
+from blackjack_rl.contract.tokens import MASKED
 
 
 @dataclass(frozen=True)

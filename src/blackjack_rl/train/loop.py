@@ -26,23 +26,24 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import Settings
-from ..evaluate import compute_metrics, run_evaluation
-from ..grid import evaluate_grid
-from ..groups import Player
-from ..probe import probe_policy
-from ..protocol import STICK, tool_call_text
-from ..policies.torch.forward import causal_lm
-from ..policies.torch.logprobs import token_logprobs
-from ..policies.torch.base_ref import CONFIG, check_base
-from ..policies.torch.lora_stack import adapter_files, fold_adapter, save_lora
-from ..policies.torch.model import add_lora, export_model, load_adapter_weights, save_adapter
-from ..policies.torch.policy import TorchPolicy
-from .grpo import LossConfig, action_balance, carries_signal, group_loss, merge_groups, scalar_advantages, weighted
-from .metrics import batch_metrics, eval_summary
-from .plot import plot_log
-from .portable import portable_argv, portable_values
-from .sources import ApiSource, GroupSource, LocalSource
+from blackjack_rl.config import Settings
+from blackjack_rl.measure.evaluation import compute_metrics
+from blackjack_rl.rollout.runner import run_evaluation
+from blackjack_rl.measure.grid import evaluate_grid
+from blackjack_rl.rollout.players import Player
+from blackjack_rl.measure.probe import probe_policy
+from blackjack_rl.contract.protocol import STICK, tool_call_text
+from blackjack_rl.policies.torch.forward import causal_lm
+from blackjack_rl.policies.torch.logprobs import token_logprobs
+from blackjack_rl.policies.torch.base_ref import CONFIG, check_base
+from blackjack_rl.policies.torch.lora_stack import adapter_files, fold_adapter, save_lora
+from blackjack_rl.policies.torch.model import add_lora, export_model, load_adapter_weights, save_adapter
+from blackjack_rl.policies.torch.policy import TorchPolicy
+from blackjack_rl.train.grpo import LossConfig, action_balance, carries_signal, group_loss, merge_groups, scalar_advantages, weighted
+from blackjack_rl.train.metrics import batch_metrics, eval_summary
+from blackjack_rl.train.plot import plot_log
+from blackjack_rl.train.portable import portable_argv, portable_values
+from blackjack_rl.train.sources import ApiSource, GroupSource, LocalSource
 
 
 @dataclass
@@ -114,7 +115,7 @@ def optimize(
     forward is backpropagated as soon as its loss is known, so memory holds one graph at a time.
     """
     work = []
-    weights = action_balance(groups) if settings.train.balance_actions else [1.0] * len(groups)
+    weights = action_balance(groups) if settings.groups.balance_actions else [1.0] * len(groups)
     for g, w in zip(groups, weights):
         adv = scalar_advantages(g, loss_config.scale_advantages)
         if carries_signal(g, adv):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..evaluate import rate_ci
-from ..records import EpisodeRecord, Metrics, Outcome, SequenceRecord, Status, StepRecord, decision_record, records_or_none
+from blackjack_rl.measure.evaluation import rate_ci
+from blackjack_rl.contract.records import EpisodeRecord, Metrics, Outcome, SequenceRecord, Status, StepRecord, decision_record, records_or_none
 
 
 def _sampled(record: SequenceRecord | None) -> bool:

@@ -11,15 +11,13 @@ off-policy; the clipped ratio against the batch's `inference_logprobs` is what k
 from __future__ import annotations
 
 import asyncio
-import random
-from collections import Counter
 from typing import Any, Protocol
 
-from ..api.client import TrainerClient
-from ..api.models import Registration
-from ..config import GroupConfig
-from ..deals import play_deal
-from ..groups import Player
+from blackjack_rl.api.client import TrainerClient
+from blackjack_rl.api.models import Registration
+from blackjack_rl.config import GroupConfig
+from blackjack_rl.rollout.players import Player
+from blackjack_rl.rollout.runner import DealRunner, SeedStream, Tally
 
 
 class GroupSource(Protocol):
@@ -32,33 +30,28 @@ class GroupSource(Protocol):
 
 class LocalSource:
     def __init__(self, player: Player, groups: GroupConfig, deals_per_step: int, seed: int) -> None:
-        self.player = player
-        self.groups = groups
+        # no concurrency limit: a step's deals are played together, so the torch policy batches them
+        self.runner = DealRunner(player, groups)
         self.deals_per_step = deals_per_step
-        # Training deals are drawn below 2**32, so they never meet the evaluation seeds.
-        self._rng = random.Random(seed)
+        self.seeds = SeedStream(seed)
 
     def next_groups(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        seeds = [self._rng.randrange(2**32) for _ in range(self.deals_per_step)]
-
-        async def play() -> list:
-            return await asyncio.gather(*(play_deal(self.player, s, self.groups) for s in seeds))
-
-        results = [r for deal in asyncio.run(play()) for r in deal]
-        dropped = Counter(r.dropped for r in results if r.group is None)
-        failed = sum(ep.failed for r in results for ep in r.episodes)
-        return [r.group.to_json() for r in results if r.group is not None], {
-            "deals": len(seeds),
-            "dropped": dict(dropped),
-            "episodes_failed": failed,
+        deals = asyncio.run(self.runner.play_all(self.seeds.take(self.deals_per_step)))
+        step = Tally()
+        for deal in deals:
+            step.add(deal)
+        return [r.group.to_json() for d in deals for r in d.groups if r.group is not None], {
+            "deals": step.deals,
+            "dropped": step.groups_dropped,
+            "episodes_failed": step.episodes_failed,
         }
 
     def get_state(self) -> Any:
         """Where the deal stream stands, so a resumed run plays the deals it would have played."""
-        return self._rng.getstate()
+        return self.seeds.get_state()
 
     def set_state(self, state: Any) -> None:
-        self._rng.setstate(state)
+        self.seeds.set_state(state)
 
     def close(self) -> None:
         pass

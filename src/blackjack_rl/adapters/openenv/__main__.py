@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ...env import EnvSettings
-from ...game import Rules
+from blackjack_rl.env import EnvSettings
+from blackjack_rl.game.table import Rules
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from .server import create_openenv_app
+        from blackjack_rl.adapters.openenv.server import create_openenv_app
     except ImportError as exc:
         parser.exit(2, f"error: {exc.name} is not installed: pip install 'blackjack-rl[openenv]'\n")
 

@@ -7,7 +7,7 @@ from typing import Any
 from openenv.core import EnvClient
 from openenv.core.client_types import StepResult
 
-from .models import BlackjackAction, BlackjackObservation, BlackjackState
+from blackjack_rl.adapters.openenv.models import BlackjackAction, BlackjackObservation, BlackjackState
 
 
 class BlackjackOpenEnvClient(EnvClient[BlackjackAction, BlackjackObservation, BlackjackState]):

@@ -9,9 +9,9 @@ from uuid import uuid4
 from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.interfaces import Environment
 
-from ...env import BlackjackEnv, EnvSettings, solution_for
-from ...game import Rules
-from .models import BlackjackAction, BlackjackObservation, BlackjackState
+from blackjack_rl.env import BlackjackEnv, EnvSettings, solution_for
+from blackjack_rl.game.table import Rules
+from blackjack_rl.adapters.openenv.models import BlackjackAction, BlackjackObservation, BlackjackState
 
 ENV_NAME = "blackjack_rl"
 

@@ -27,7 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ...tokens import EMBEDDED_GGUF_NAME, embedded_model_path
+from blackjack_rl.contract.tokens import EMBEDDED_GGUF_NAME, embedded_model_path
 
 CONFIG = "adapter_config.json"
 BASE_FILE = "base_model.txt"

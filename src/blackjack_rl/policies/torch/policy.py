@@ -18,18 +18,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import NEEDS_TORCH
+from blackjack_rl.policies.torch import NEEDS_TORCH
 
 try:
     import torch
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(NEEDS_TORCH) from exc
 
-from ..base import InferenceError, Reply, Turn
-from ..sampling import Sampling
-from ...tokens import ChatFormat, HFTokenizer, common_prefix_length
-from .model import load_model, stop_ids
-from .sampler import sample
+from blackjack_rl.policies.base import InferenceError, Reply, Turn
+from blackjack_rl.policies.sampling import Sampling
+from blackjack_rl.contract.tokens import ChatFormat, HFTokenizer, common_prefix_length
+from blackjack_rl.policies.torch.model import load_model, stop_ids
+from blackjack_rl.policies.torch.sampler import sample
 
 
 @dataclass
@@ -185,7 +185,7 @@ class TorchPolicy:
                       temperature: float) -> list[list[float]]:
         """Synchronous scoring of many (prompt, answers) at once, in one batched forward;
         the answers' logprobs are returned flattened, in order."""
-        from .logprobs import Targets, token_logprobs
+        from blackjack_rl.policies.torch.logprobs import Targets, token_logprobs
 
         tokens, rows, positions, ids = [], [], [], []
         for prompt, answers in items:
@@ -220,8 +220,8 @@ class TorchPolicy:
         """States entering the first trained layer for each sequence, computed once: below it
         nothing trains, so scoring the same prompts again (the strategy chart at every step)
         runs only the trained layers."""
-        from .forward import forward_rows, run_prefix
-        from .logprobs import pack_rows
+        from blackjack_rl.policies.torch.forward import forward_rows, run_prefix
+        from blackjack_rl.policies.torch.logprobs import pack_rows
 
         if len(self._trunk_cache) > _TRUNK_CACHE_MAX:  # the chart's 560 sequences stay; one-off prompts go
             self._trunk_cache.clear()

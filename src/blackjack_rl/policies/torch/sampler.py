@@ -20,8 +20,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ...tokens import common_prefix_length
-from .forward import RowCache, causal_lm, forward_rows, run_prefix
+from blackjack_rl.contract.tokens import common_prefix_length
+from blackjack_rl.policies.torch.forward import RowCache, causal_lm, forward_rows, run_prefix
 
 
 @dataclass

@@ -10,18 +10,19 @@ counted as a game, always counted as a failure).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .env import BlackjackEnv, Decision, EnvSettings, Play, Status, episode_scores, opening_messages
-from .game import Table
-from .policies.base import InferenceError, Policy, Reply, Turn
-from .protocol import ACTION_NAMES, split_thinking
-from .records import EpisodeRecord, SampleRow, Truncation
-from .solver import Solution
-from .tokens import ChatFormat, Trajectory
+from blackjack_rl.contract.protocol import ACTION_NAMES
+from blackjack_rl.contract.records import EpisodeRecord, SampleRow, Truncation
+from blackjack_rl.contract.tokens import ChatFormat
+from blackjack_rl.env import BlackjackEnv, Decision, Play, Status, episode_scores, opening_messages
+from blackjack_rl.game.solver import Solution
+from blackjack_rl.game.table import Table
+from blackjack_rl.policies.base import InferenceError, Policy, Reply
+from blackjack_rl.rollout.core import Conversation, EpisodeSettings, add_answer, without_thoughts
 
 __all__ = [
     "Decision",
@@ -37,24 +38,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class EpisodeSettings(EnvSettings):
-    """The game's settings plus the token budget, which only a player that tokenizes can keep."""
-
-    max_token_length: int = 1024
-    max_new_tokens: int = 64
-
-
 @dataclass
-class Episode(Play):
-    """A game (`Play`) with what playing it through a policy adds: messages, tokens, errors."""
+class Episode(Play, Conversation):
+    """A game (`Play`) as the model saw it (`Conversation`: messages, tokens), and its error."""
 
     status: Status = Status.FAILED
     index: int = 0
-    thoughts_truncated: int = 0  # model turns whose earlier thoughts were cut to fit the budget
     error: str | None = None
-    messages: list[dict[str, str]] = field(default_factory=list)
-    trajectory: Trajectory = field(default_factory=Trajectory)
 
     @property
     def failed(self) -> bool:
@@ -112,13 +102,10 @@ async def play_episode(
     """
     env = BlackjackEnv(solution, settings, table)
     ep = Episode(seed=seed, index=index)
-    ep.messages, _ = env.reset(seed, record=ep)
-    ep.trajectory.add_context(chat.prompt_ids(ep.messages))
-
+    messages, _ = env.reset(seed, record=ep)
+    ep.open(messages, chat)
     while True:
-        if len(ep.trajectory) + settings.max_new_tokens > settings.max_token_length and settings.thinking:
-            _drop_old_thoughts(ep, chat)
-        if len(ep.trajectory) + settings.max_new_tokens > settings.max_token_length:
+        if not ep.make_room(settings, chat):
             env.truncate(Truncation.CONTEXT_LIMIT)
             return ep
         turn = env.turn
@@ -126,10 +113,7 @@ async def play_episode(
             if turn == 0 and first_reply is not None:
                 reply = first_reply
             else:
-                reply = await policy.respond(
-                    Turn(ep.messages, ep.trajectory.tokens, env.observation, env.natural,
-                         sampling_seed(seed, index, turn))
-                )
+                reply = await policy.respond(ep.turn(env, sampling_seed(seed, index, turn)))
         except InferenceError as exc:
             return _fail(ep, env, str(exc))
         except Exception as exc:  # a broken policy fails the episode, not the whole run
@@ -137,17 +121,10 @@ async def play_episode(
             return _fail(ep, env, f"{type(exc).__name__}: {exc}")
 
         ep.messages.append({"role": "assistant", "content": reply.text})
-        if reply.completion_ids is not None:
-            ep.trajectory.add_sampled(reply.completion_ids, reply.logprobs)
-            if reply.finish_reason == "length":  # the model did not close its turn; the template does
-                ep.trajectory.add_context(chat.end_of_turn_ids)
-        else:
-            ep.trajectory.add_sampled(chat.answer_ids(reply.text), None)
-
+        add_answer(ep.trajectory, reply, chat)
         text, _, terminated, truncated, _ = env.step(reply.text, reply.tool_calls)
         if text is not None:
-            ep.messages.append({"role": "user", "content": text})
-            ep.trajectory.add_context(chat.next_turn_ids(text))
+            ep.add_user(text, chat)
         if terminated or truncated:
             return ep
 
@@ -156,29 +133,3 @@ def _fail(ep: Episode, env: BlackjackEnv, error: str) -> Episode:
     env.fail()
     ep.error = error
     return ep
-
-
-def _drop_old_thoughts(ep: Episode, chat: ChatFormat) -> None:
-    ep.messages, ep.trajectory = without_thoughts(ep.messages, chat)
-    ep.thoughts_truncated += 1
-
-
-def without_thoughts(messages: list[dict[str, str]], chat: ChatFormat) -> tuple[list[dict[str, str]], Trajectory]:
-    """The history with earlier answers cut to their decisions (thoughts removed), as context.
-
-    From here on the model sees a different history than the one its earlier answers
-    were sampled in, so those answers become context: only answers sampled in exactly
-    the final sequence's prefix stay trained. Every sequence then fits the budget and
-    every trained token is on-policy for the tokens before it.
-    """
-    stripped = [
-        {**m, "content": split_thinking(m["content"])[1]} if m["role"] == "assistant" else dict(m) for m in messages
-    ]
-    rebuilt = Trajectory()
-    rebuilt.add_context(chat.prompt_ids(stripped[:2]))
-    for m in stripped[2:]:
-        if m["role"] == "assistant":
-            rebuilt.add_context(chat.answer_ids(m["content"]))
-        else:
-            rebuilt.add_context(chat.next_turn_ids(m["content"]))
-    return stripped, rebuilt

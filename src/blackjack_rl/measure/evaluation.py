@@ -8,46 +8,17 @@ measurable on a few hundred episodes.
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from collections import Counter
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-from .episode import Episode
-from .groups import Player
-from .records import MeanCI, Metrics, RateCI, ReasonCount, Reference, SeedRange, Status, SCORED_AS_INVALID
-from .solver import baselines
+from blackjack_rl.rollout.episodes import Episode
+from blackjack_rl.rollout.players import Player
+from blackjack_rl.rollout.runner import EVAL_SEED_BASE
+from blackjack_rl.contract.records import MeanCI, Metrics, RateCI, ReasonCount, Reference, SeedRange, Status, SCORED_AS_INVALID
+from blackjack_rl.game.solver import baselines
 
-# Training seeds are drawn below 2**32; evaluation deals start far above, so the two
-# sets can never overlap, and episode i of every evaluation is the same deal.
-EVAL_SEED_BASE = 10**12
 Z95 = 1.959963984540054
-
-
-def eval_seeds(n: int, first: int = 0) -> range:
-    """Evaluation deals first..first+n-1 (a shard of a larger evaluation starts past 0)."""
-    return range(EVAL_SEED_BASE + first, EVAL_SEED_BASE + first + n)
-
-
-async def run_evaluation(
-    player: Player,
-    episodes: int,
-    concurrency: int = 64,
-    on_episode: Callable[[Episode], None] | None = None,
-    first: int = 0,
-) -> list[Episode]:
-    """Play `episodes` fixed deals from deal `first` on, `concurrency` at a time; results in seed order."""
-    limiter = asyncio.Semaphore(concurrency)
-
-    async def one(seed: int) -> Episode:
-        async with limiter:
-            ep = await player.episode(seed, 0)
-        if on_episode is not None:
-            on_episode(ep)
-        return ep
-
-    return list(await asyncio.gather(*(one(s) for s in eval_seeds(episodes, first))))
 
 
 # Below this many values the normal interval of a mean is not to be trusted (the mean of a

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from blackjack_rl.game.table import HIT, STICK
+
 __all__ = [
     "ACTION_NAMES",
     "HIT",
@@ -40,8 +42,6 @@ __all__ = [
 ]
 
 # Gymnasium Blackjack-v1 action ids.
-HIT = 1
-STICK = 0
 ACTION_NAMES = {HIT: "hit", STICK: "stick"}
 _ACTIONS_BY_NAME = {name: action for action, name in ACTION_NAMES.items()}
 

@@ -21,7 +21,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, SkipValidation, model_serializer
 
-from .game import Rules
+from blackjack_rl.game.table import Rules
 
 
 class _Reason(StrEnum):

@@ -20,19 +20,13 @@ What this covers, and what it does not:
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping
 
-from .game import Rules
-from .solver import CARD_PROBS, DEALER_CARDS, HARD_SUMS, HIT, SOFT_SUMS, Solution, after_hit, policy_outcome
+from blackjack_rl.game.table import Rules
+from blackjack_rl.game.solver import (CARD_PROBS, DEALER_CARDS, GRID_STATES, HARD_SUMS, HIT, SOFT_SUMS, GridKey, Solution,
+                                      after_hit, policy_outcome)
 
-GridKey = tuple[int, int, bool]  # (player_sum, dealer_card, usable_ace), what the model is shown
-
-# Row order of the chart: hard totals, then soft ones, each against dealer ace..10.
-GRID_STATES: tuple[GridKey, ...] = tuple(
-    [(s, d, False) for s in HARD_SUMS for d in DEALER_CARDS] + [(s, d, True) for s in SOFT_SUMS for d in DEALER_CARDS]
-)
 
 
 @dataclass(frozen=True)
@@ -137,27 +131,3 @@ def evaluate_grid(solution: Solution, p_hit: Mapping[GridKey, float]) -> GridEva
         p_hit_stick_optimal=sum(stick_cells) / len(stick_cells),
         p_hit=table,
     )
-
-
-def hit_share(logprob_hit: float, logprob_stick: float) -> float:
-    """P(hit | one of the two valid calls) from the log-probabilities of the two whole calls."""
-    diff = logprob_stick - logprob_hit
-    if diff > 700:
-        return 0.0
-    return 1.0 / (1.0 + math.exp(diff))
-
-
-def balanced_start(seed: int, solution: Solution) -> GridKey:
-    """An exploring start: a chart state where hitting is optimal or one where sticking is,
-    with equal chance, uniform within each (reproducibly from `seed`).
-
-    Why: the real deal distribution repeats a few hands (hard 12-17) and its decisions are
-    not balanced between the two actions, so a policy that cannot yet tell hands apart
-    learns one shared preference first. Measured on SmolLM2-135M (docs/training/): decision
-    training over batches of distinct chart states, balanced by optimal action, took chart
-    accuracy from 49% to 91% in 40 steps; training on dealt hands left it where it was.
-    """
-    rng = random.Random(seed ^ 0x57A27)
-    hit = [k for k in GRID_STATES if solution.best_action(k) == HIT]
-    stick = [k for k in GRID_STATES if solution.best_action(k) != HIT]
-    return rng.choice(hit if rng.random() < 0.5 else stick)

@@ -26,31 +26,30 @@ import signal
 import socket
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .api.client import ApiUnavailable, EnvClient
-from .api.models import RegisterEnv
-from .retry import RetryPolicy
-from .config import Settings
-from .evaluate import compute_metrics, run_evaluation
-from .deals import play_deal
-from .groups import GroupResult, Player
-from .records import EpisodeRecord, Outcome
+from blackjack_rl.api.client import ApiUnavailable, EnvClient
+from blackjack_rl.api.models import RegisterEnv
+from blackjack_rl.retry import RetryPolicy
+from blackjack_rl.config import Settings
+from blackjack_rl.measure.evaluation import compute_metrics
+from blackjack_rl.rollout.core import GroupResult
+from blackjack_rl.rollout.players import Player
+from blackjack_rl.rollout.runner import DealResult, DealRunner, Tally
+from blackjack_rl.contract.records import EpisodeRecord, Outcome
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class ServeStats:
-    groups_played: int = 0
+class ServeStats(Tally):
+    """What the deal runner played (`Tally`), and what became of the groups."""
+
     groups_sent: int = 0
     groups_parked: int = 0
-    groups_dropped: dict[str, int] = field(default_factory=dict)
     groups_rejected: int = 0
-    episodes: int = 0
-    episodes_failed: int = 0
     evaluations: int = 0
 
 
@@ -160,9 +159,10 @@ class Worker:
         # Idempotency-Keys follow from the deal: a deal played again after a crash between
         # the API's answer and writing the cursor is recognised by the API, not queued twice.
         self._key_prefix = hashlib.blake2b(stream_key.encode(), digest_size=12).hexdigest()
-        self._tasks: dict[asyncio.Task[list[GroupResult]], int] = {}
+        self._tasks: dict[asyncio.Task[DealResult], int] = {}
         self._sent_since_poll = 0  # groups posted (or flushed) since the API last said how many it holds
-        self._limiter = asyncio.Semaphore(settings.groups.concurrency)
+        self.runner = DealRunner(player, settings.groups, settings.groups.concurrency)
+        self.runner.tally = self.stats  # the runner counts what it plays into this worker's stats
         self._last_eval_step: int | None = None
         self._eval_task: asyncio.Task[None] | None = None
 
@@ -203,9 +203,8 @@ class Worker:
         return max(1, math.ceil(self.cfg.max_batches_offpolicy * self.batch_size / self.settings.groups.sequences))
 
     def _launch(self) -> None:
-        g = self.settings.groups
         index, seed = self.cursor.take()
-        task = asyncio.create_task(play_deal(self.player, seed, g, self._limiter))
+        task = asyncio.create_task(self.runner.deal(seed))
         self._tasks[task] = index
 
     def _room(self, polled_groups: int) -> int:
@@ -221,20 +220,16 @@ class Worker:
             room = min(room, self.cfg.max_groups - self.stats.groups_sent - self.stats.groups_parked - len(self._tasks))
         return room
 
-    async def _finish(self, task: asyncio.Task[list[GroupResult]]) -> None:
+    async def _finish(self, task: asyncio.Task[DealResult]) -> None:
         """Deliver a finished deal's groups, then record the deal as done."""
         index = self._tasks.pop(task)
-        for number, result in enumerate(task.result()):
+        for number, result in enumerate(task.result().groups):
             await self._deliver(result, key=f"{self._key_prefix}-{index}-{number}")
         self.cursor.finish(index)
 
     async def _deliver(self, result: GroupResult, key: str) -> None:
-        s = self.stats
-        s.groups_played += 1
-        s.episodes += len(result.episodes)
-        s.episodes_failed += sum(ep.failed for ep in result.episodes)
+        s = self.stats  # the runner counted the deal's games and groups
         if result.group is None:
-            s.groups_dropped[result.dropped or "?"] = s.groups_dropped.get(result.dropped or "?", 0) + 1
             return
         sent = await self.client.submit([result.group.to_json()], key=key)
         self._sent_since_poll += sent.sent_groups
@@ -264,7 +259,8 @@ class Worker:
         self._last_eval_step = step
 
         async def evaluate() -> None:
-            episodes = await run_evaluation(self.player, self.cfg.eval_episodes, self.settings.evaluate.concurrency)
+            runner = DealRunner(self.player, self.settings.groups, self.settings.evaluate.concurrency)
+            episodes = await runner.evaluation(self.cfg.eval_episodes)
             m = compute_metrics(episodes, self.player)
             self.stats.evaluations += 1
             self.metrics.write("eval", step=step, mean_reward=m.mean_reward.mean, win_rate=m.win.rate,

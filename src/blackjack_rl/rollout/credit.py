@@ -1,52 +1,37 @@
 """Per-token credit: the format of an answer and its decision are rewarded separately.
 
-One scalar per answer puts the same advantage on every token of it, so "write a valid
-call" and "say stick" are rewarded together: early on nearly every valid call says stick,
-and a model trained that way collapses to always sticking (docs/training/ shows the run).
-Here each answer gets an advantage per token (Atropos' optional `advantages` field, the
-shape of `tokens`):
+One scalar per answer puts the same advantage on every token of it, so "write a valid call"
+and "say stick" would be rewarded together. Here each answer gets an advantage per token
+(Atropos' optional `advantages` field, the shape of `tokens`):
 
-- the *format* tokens of an answer (everything but the action word) carry its validity
-  credit: its validity score minus the mean validity score of the sampled answers of its
-  group (valid: the format bonus, invalid: the invalid score);
-- the *action* tokens (the word `hit` or `stick` inside a valid call) carry the same validity
-  credit plus its decision credit: Q*(s, a) minus the mean of Q* over both actions, an
-  expectation over unseen cards with a baseline that does not depend on what the sampler
-  happened to draw. The action word is part of the format too: a call is valid only if that
-  word is `hit` or `stick`, and both calls get the same validity credit there, so it raises
-  the two words against every other word without favouring either. (Measured: with the
-  decision credit alone on that position, every other token of the call was learned to
-  probability ~1 while P(hit or stick) at the action position fell from 0.5 to 0.06.)
-  Equal credit on the two words also pulls their probabilities toward each other (the
-  gradient of log p(hit) + log p(stick) on the hit/stick logit is p(stick) - p(hit)). That
-  pull is kept on purpose: weighting each forced call's format credit by the policy's
-  probability of it instead, the shared preference ran away to P(hit) 0.9998 in every hand
-  by step 10 of format training (0.76 with equal credit; docs/training/), where the decision's
-  gradient, p(1 - p), vanishes;
+- the *format* tokens (everything but the action word) carry the answer's validity credit:
+  its validity score minus the mean over the sampled answers of its group;
+- the *action* tokens (the word `hit` or `stick` of a valid call) carry the same validity
+  credit plus the decision's credit: Q*(s, a) minus the mean of Q* over both actions, an
+  expectation over unseen cards whose baseline does not depend on what the sampler drew.
+  The action word is part of the format too (a call is valid only with one of the two
+  words), and both words get the same validity credit, so it favours neither;
 - every token of an invalid answer carries its validity credit: it made no decision.
 
-In counterfactual groups the two valid calls are added, forced, to every group, and their
-action tokens carry the exact all-action policy gradient, p(a) * (Q*(s, a) - V_p), where
-p is the policy's own probability of each call among the two and V_p = sum_a p(a) Q*(s, a).
-The sampled answers' action tokens then carry nothing (the decision is already credited
-exactly); the forced answers' format tokens carry the validity credit of a valid answer
-against the sampled ones (see `validity_advantages`).
+In counterfactual groups both valid calls are added, forced, and their action tokens carry
+the exact all-action policy gradient p(a) * (Q*(s, a) - V_p), with p the policy's own
+probability of each call among the two and V_p = sum_a p(a) Q*(s, a); the sampled answers'
+action tokens then carry nothing.
 
-Advantages are in score units by default. `scale_decisions` divides each decision's credit by
-its spread |Q*(hit) - Q*(stick)| (floored at DECISION_SCALE_FLOOR), as GRPO divides a group by its
-std, so every state weighs the same. Measured on SmolLM2-135M (docs/training/): unscaled, the
-states where stick is optimal have the larger value gaps (hard 19-20: about 1.4; hard 12-16 against
-a high card: 0.1-0.2), so the summed gradient on a shared hit/stick preference points to stick and
-the model collapsed to always sticking before it learned to tell hands apart.
+`scale_decisions` divides each decision's credit by its spread |Q*(hit) - Q*(stick)|
+(floored at DECISION_SCALE_FLOOR), as GRPO divides a group by its std, so every state weighs
+the same. docs/training/README.md has the runs that chose each of these.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .grid import hit_share
+from blackjack_rl.contract.tokens import MASKED, Trajectory, trained_spans
+
 
 # Decisions whose two actions differ by less than this keep their (small) value scale when
 # scaled: they barely matter to the game, so they must not weigh as much as one that does.
@@ -63,6 +48,15 @@ class AnswerCredit:
     valid: bool
     action: int | None  # the decision of a valid answer
     forced: bool = False  # a counterfactual call the policy did not sample
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerAdvantage:
+    """One answer of a sequence, with the credit of its decision (0 for an invalid answer)."""
+
+    text: str  # where the action word stands
+    valid: bool
+    decision: float
 
 
 def action_char_span(text: str) -> tuple[int, int] | None:
@@ -117,6 +111,14 @@ def validity_advantages(answers: Sequence[AnswerCredit], invalid_score: float, f
     else:
         mean = format_bonus
     return [weight * (s - mean) for s in scores]
+
+
+def hit_share(logprob_hit: float, logprob_stick: float) -> float:
+    """P(hit | one of the two valid calls) from the log-probabilities of the two whole calls."""
+    diff = logprob_stick - logprob_hit
+    if diff > 700:
+        return 0.0
+    return 1.0 / (1.0 + math.exp(diff))
 
 
 def call_probabilities(logprob_hit: float, logprob_stick: float) -> dict[int, float]:
@@ -181,3 +183,19 @@ def spread(masks: Sequence[int], masked: int, per_answer: Sequence[Sequence[floa
         i = j
     return out
 
+
+def token_advantages(sequences: Sequence[Trajectory], answers: Sequence[Sequence[AnswerAdvantage]],
+                     formats: Sequence[float], decode: Callable[[Sequence[int]], str]) -> list[list[float]]:
+    """Per-token advantages of a group's sequences: each trained span (one per answer, in
+    order) carries its sequence's format credit, and its action word also the answer's
+    decision credit; context positions carry 0. Whole-episode and step groups differ only in
+    the credits they pass."""
+    rows = []
+    for seq, seq_answers, fmt in zip(sequences, answers, formats):
+        per_answer = []
+        for (start, end), answer in zip(trained_spans(seq.masks), seq_answers):
+            ids = seq.tokens[start:end]
+            action = action_token_indices(ids, action_char_span(answer.text), decode) if answer.valid else []
+            per_answer.append(answer_token_advantages(len(ids), action, fmt, answer.decision))
+        rows.append(spread(seq.masks, MASKED, per_answer))
+    return rows

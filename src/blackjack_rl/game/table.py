@@ -15,6 +15,10 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
+# Gymnasium's action numbers
+HIT = 1
+STICK = 0
+
 
 class Rules(BaseModel):
     """The rule variants of Blackjack-v1; `sab` (Sutton & Barto) overrides `natural`."""
@@ -39,7 +43,9 @@ class Observation(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class StepResult:
+class TableStep:
+    """What one action did to the table (the environment's `StepResult` adds the text and scores)."""
+
     observation: Observation
     reward: float
     terminated: bool
@@ -96,12 +102,12 @@ class Table:
             return Observation(_hand_total(self._env.player), int(start.dealer_card), start.usable_ace)
         return Observation(int(obs[0]), int(obs[1]), bool(obs[2]))
 
-    def step(self, action: int) -> StepResult:
+    def step(self, action: int) -> TableStep:
         if self._done:
             raise RuntimeError("step() after the hand ended: call reset(seed) to deal a new hand")
         obs, reward, terminated, truncated, _ = self._env.step(int(action))
         self._done = bool(terminated or truncated)
-        return StepResult(Observation(int(obs[0]), int(obs[1]), bool(obs[2])), float(reward), self._done)
+        return TableStep(Observation(int(obs[0]), int(obs[1]), bool(obs[2])), float(reward), self._done)
 
     @property
     def player_is_natural(self) -> bool:

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from .evaluate import MIN_N_FOR_INTERVAL, interval, max_payout
-from .records import SCORED_AS_INVALID, DecisionRecord, Metrics, Outcome, SampleRow, Status
+from blackjack_rl.measure.evaluation import MIN_N_FOR_INTERVAL, interval, max_payout
+from blackjack_rl.contract.records import SCORED_AS_INVALID, DecisionRecord, Metrics, Outcome, SampleRow, Status
 
 Row = SampleRow
 

@@ -15,11 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .game import Observation, Rules
-from .protocol import HIT, STICK
+from blackjack_rl.game.table import HIT, STICK, Observation, Rules
 DEALER_CARDS = tuple(range(1, 11))
 HARD_SUMS = tuple(range(4, 22))
 SOFT_SUMS = tuple(range(12, 22))
+
+GridKey = tuple[int, int, bool]  # (player_sum, dealer_card, usable_ace), what the model is shown
+
+# Row order of the chart: hard totals, then soft ones, each against dealer ace..10.
+GRID_STATES: tuple[GridKey, ...] = tuple(
+    [(s, d, False) for s in HARD_SUMS for d in DEALER_CARDS] + [(s, d, True) for s in SOFT_SUMS for d in DEALER_CARDS]
+)
 CARD_PROBS: tuple[tuple[int, float], ...] = tuple((c, (4 if c == 10 else 1) / 13) for c in range(1, 11))
 
 # Dealer final hands: index 0..4 = totals 17..21 without a natural, 5 = natural, 6 = bust.

@@ -11,12 +11,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .episode import opening_messages
-from .game import Observation
-from .grid import GRID_STATES, GridKey, hit_share
-from .groups import Player
-from .protocol import HIT, STICK, tool_call_text
-from .tokens import common_prefix_length
+from blackjack_rl.rollout.episodes import opening_messages
+from blackjack_rl.game.table import Observation
+from blackjack_rl.game.solver import GRID_STATES, GridKey
+from blackjack_rl.rollout.credit import hit_share
+from blackjack_rl.rollout.players import Player
+from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text
+from blackjack_rl.contract.tokens import common_prefix_length
+from blackjack_rl.policies.base import KnowsItsPolicy, ScoresAnswers
 
 
 @dataclass(frozen=True)
@@ -27,18 +29,16 @@ class Probe:
 
 
 def can_probe(policy: Any) -> bool:
-    return hasattr(policy, "hit_probability") or hasattr(policy, "answer_logprobs_many")
+    return isinstance(policy, (KnowsItsPolicy, ScoresAnswers))
 
 
 async def probe_policy(player: Player, temperature: float | None = None, calls_probability: bool = True) -> Probe:
     """`temperature` None: the policy's sampling temperature (a model), or its exact policy (a bot).
     `calls_probability` False skips P(a canonical call), which costs a third of the work."""
     policy = player.policy
-    exact = getattr(policy, "hit_probability", None)
-    if exact is not None:
-        return Probe({k: float(exact(Observation(*k), False)) for k in GRID_STATES}, None, None)
-    many = getattr(policy, "answer_logprobs_many", None)
-    if many is None:
+    if isinstance(policy, KnowsItsPolicy):
+        return Probe({k: float(policy.hit_probability(Observation(*k), False)) for k in GRID_STATES}, None, None)
+    if not isinstance(policy, ScoresAnswers):
         raise ValueError(
             f"{policy.name} cannot score given answers, so its strategy cannot be read without sampling "
             "(the grid needs the embedded, hf or a scripted policy)"
@@ -56,7 +56,7 @@ async def probe_policy(player: Player, temperature: float | None = None, calls_p
             items.append((prompt, [calls[0][:shared]]))
         items.append(([*prompt, *calls[0][:shared]], [c[shared:] for c in calls]))
     # a chart read at the 1e-2 level may use llama.cpp's faster batched kernels
-    scored = await many(items, t, same_kernels=False)
+    scored = await policy.answer_logprobs_many(items, t, same_kernels=False)
     p_hit, p_calls = {}, {}
     step = 2 if calls_probability else 1
     for i, k in enumerate(GRID_STATES):
@@ -72,7 +72,7 @@ async def exact_grid(player: Player) -> dict[str, Any]:
     """The exact chart numbers of a policy, as recorded in metrics.json (`evaluate --grid`)."""
     import time
 
-    from .grid import evaluate_grid
+    from blackjack_rl.measure.grid import evaluate_grid
 
     t0 = time.perf_counter()
     probe = await probe_policy(player)

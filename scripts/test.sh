@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The test command (README, and .ci/run runs exactly this).
+#
+# It never leans on what the machine happens to have: every run makes a fresh virtual environment
+# of its own (no system or user site-packages, no PYTHONPATH), installs the project, every extra
+# and the verifiers environment package into it from this checkout's files, and runs the whole
+# suite with that interpreter. pip's wheel cache keeps the llama-cpp-python build, so a rerun
+# costs minutes, not a compile. Arguments go to pytest (e.g. `-m "not slow"`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DEBIAN_FRONTEND=noninteractive
+unset PYTHONPATH PYTHONHOME PYTHONUSERBASE PIP_USER VIRTUAL_ENV
+VENV="${BLACKJACK_RL_TEST_VENV:-.venv-test}"
+PYTHON="${PYTHON:-python3}"
+
+# the HTML pages are tested in Debian's Chromium (driven by playwright, which never downloads a browser)
+command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+
+"$PYTHON" -m venv --clear "$VENV"
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+python -m pip install --upgrade pip
+python -m pip install -e ".[dev,train,ray,trl,verifiers,openenv,skyrl]" -e environments/blackjack_rl_env
+python -m pip check
+# Atropos' run-api, the wire reference: its other requirements serve its own environments (pyproject)
+python -m pip install --no-deps "atroposlib==0.4.0"
+python -m pytest "$@"

@@ -1,0 +1,149 @@
+"""The one deal runner: seeds in, each deal's groups (or an evaluation's episodes) out, counted.
+
+`process`, `evaluate`, `serve`, `train` and the Ray shards all play through a `DealRunner`,
+so they draw the same deals for the same seed, limit concurrency the same way and count
+what they played the same way (`Tally`): a count one job reports means what it means in
+every other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterable
+
+from blackjack_rl.config import GroupConfig
+from blackjack_rl.contract.records import Status
+from blackjack_rl.rollout.core import GroupResult, limited
+from blackjack_rl.rollout.episodes import Episode
+from blackjack_rl.rollout.groups import play_group
+from blackjack_rl.rollout.players import Player
+from blackjack_rl.rollout.stepgroups import play_step_groups
+
+# Training deals are drawn below 2**32; evaluation deals start far above, so the two
+# sets can never overlap, and episode i of every evaluation is the same deal.
+EVAL_SEED_BASE = 10**12
+
+
+def eval_seeds(n: int, first: int = 0) -> range:
+    """Evaluation deals first..first+n-1 (a shard of a larger evaluation starts past 0)."""
+    return range(EVAL_SEED_BASE + first, EVAL_SEED_BASE + first + n)
+
+
+class SeedStream:
+    """Training deals, drawn below 2**32 from the base seed: the same seed, the same deals, and
+    a resumed run continues the stream where it stood (`get_state`)."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+
+    def take(self, n: int) -> list[int]:
+        return [self._rng.randrange(2**32) for _ in range(n)]
+
+    def get_state(self) -> Any:
+        return self._rng.getstate()
+
+    def set_state(self, state: Any) -> None:
+        self._rng.setstate(state)
+
+
+def group_seeds(seed: int, n: int) -> list[int]:
+    """The first n training deals of a base seed."""
+    return SeedStream(seed).take(n)
+
+
+@dataclass
+class DealResult:
+    """What one deal came to: its groups, and the games played for them."""
+
+    seed: int
+    groups: list[GroupResult]
+    episodes: int  # games played: each episode of a whole-episode group, the canonical game of step groups
+    episodes_failed: int
+
+
+@dataclass
+class Tally:
+    """What a runner played, counted one way for every job."""
+
+    deals: int = 0
+    groups_played: int = 0
+    groups_dropped: dict[str, int] = field(default_factory=dict)
+    sequences: int = 0  # in the groups kept
+    episodes: int = 0
+    episodes_failed: int = 0
+
+    def add(self, deal: DealResult) -> None:
+        self.deals += 1
+        self.episodes += deal.episodes
+        self.episodes_failed += deal.episodes_failed
+        for result in deal.groups:
+            self.groups_played += 1
+            if result.group is None:
+                reason = result.dropped or "?"
+                self.groups_dropped[reason] = self.groups_dropped.get(reason, 0) + 1
+            else:
+                self.sequences += len(result.group.scores)
+
+    def add_episodes(self, episodes: Iterable[Episode]) -> None:
+        for ep in episodes:
+            self.episodes += 1
+            self.episodes_failed += ep.failed
+
+
+class DealRunner:
+    """Plays deals with one player, `concurrency` episodes (or answers) in flight at once;
+    None: no limit (the trainer plays a step's deals together, so the torch policy batches them)."""
+
+    def __init__(self, player: Player, config: GroupConfig, concurrency: int | None = None) -> None:
+        self.player, self.config = player, config
+        self.concurrency = concurrency
+        self.limiter = asyncio.Semaphore(concurrency) if concurrency is not None else None
+        self.tally = Tally()
+
+    async def deal(self, seed: int) -> DealResult:
+        """The groups one deal yields: one whole-episode group, or one group per decision."""
+        if self.config.group_by == "step":
+            step = await play_step_groups(self.player, seed, self.config, self.limiter)
+            result = DealResult(seed, step.groups, 1, int(step.status == Status.FAILED))
+        else:
+            group = await play_group(self.player, seed, self.config, self.limiter)
+            result = DealResult(seed, [group], len(group.episodes), sum(ep.failed for ep in group.episodes))
+        self.tally.add(result)
+        return result
+
+    async def stream(self, seeds: list[int]) -> AsyncIterator[DealResult]:
+        """The deals in seed order, with enough of them in flight to keep the limit busy."""
+        window = max(1, (self.concurrency or 1) // self.config.sequences) + 1
+        pending: list[asyncio.Task[DealResult]] = []
+        next_seed = 0
+        while next_seed < len(seeds) or pending:
+            while next_seed < len(seeds) and len(pending) < window:
+                pending.append(asyncio.create_task(self.deal(seeds[next_seed])))
+                next_seed += 1
+            yield await pending.pop(0)
+
+    async def play_all(self, seeds: list[int]) -> list[DealResult]:
+        """Every deal at once; results in seed order."""
+        return list(await asyncio.gather(*(self.deal(s) for s in seeds)))
+
+    async def evaluation(self, n: int, first: int = 0,
+                         on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
+        """The fixed evaluation deals first..first+n-1, one episode each; results in seed order."""
+
+        async def one(seed: int) -> Episode:
+            ep = await limited(self.limiter, lambda: self.player.episode(seed, 0))
+            if on_episode is not None:
+                on_episode(ep)
+            return ep
+
+        episodes = list(await asyncio.gather(*(one(s) for s in eval_seeds(n, first))))
+        self.tally.add_episodes(episodes)
+        return episodes
+
+
+async def run_evaluation(player: Player, episodes: int, concurrency: int = 64,
+                         on_episode: Callable[[Episode], None] | None = None, first: int = 0) -> list[Episode]:
+    """Play `episodes` fixed deals from deal `first` on, `concurrency` at a time; results in seed order."""
+    return await DealRunner(player, GroupConfig(), concurrency).evaluation(episodes, first, on_episode)
