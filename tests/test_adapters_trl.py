@@ -1,5 +1,6 @@
 """The TRL adapter: scripted rollouts against BlackjackEnv, and TRL's GRPOTrainer for two steps on CPU."""
 
+import itertools
 
 import pytest
 
@@ -10,6 +11,7 @@ from blackjack_rl.adapters.trl_env import (  # noqa: E402
     BlackjackTRLEnv,
     blackjack_reward,
     prompt_dataset,
+    prompt_rows,
     tool_chat_tokenizer,
     trl_environment,
 )
@@ -20,18 +22,19 @@ from blackjack_rl.game.solver import solve  # noqa: E402
 
 
 def replay(seed: int, completion: list[dict], settings: EnvSettings = EnvSettings()) -> float:
-    """What our own loop scores for the same answers: every assistant message is one answer."""
+    """Our own loop on TRL's rollout: each call TRL ran (its result follows the call) is one
+    answer; the message TRL ran no call of ends the rollout, an answer without a call."""
     env = BlackjackEnv(solve(Rules()), settings)
     env.reset(seed)
-    for message in completion:
+    for i, message in enumerate(completion):
         if message["role"] != "assistant" or env.done:
             continue
-        calls = message.get("tool_calls") or None
-        for call in calls or [None]:  # TRL runs every call of a message, each a turn of ours
+        results = list(itertools.takewhile(lambda m: m["role"] == "tool", completion[i + 1:]))
+        for call in (message.get("tool_calls") or [])[:len(results)]:  # TRL runs every call of a message
             if not env.done:
-                env.step(message.get("content") or "", [call] if call else None, allow_retry=calls is not None)
+                env.step("", [call])
     if not env.done:
-        env.truncate("rollout_ended")
+        env.step("", None, allow_retry=False)
     return env.play.score
 
 
@@ -39,35 +42,88 @@ def call(action: str) -> dict:
     return {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"action": action}}}
 
 
-@pytest.mark.parametrize("actions,final", [
+def play_script(env, actions, final):
+    """A rollout as TRL builds it: each call and its result, then the message with no call."""
+    completion = []
+    for action in actions:
+        try:
+            result = env.take_action(action)
+        except RuntimeError as exc:
+            result = {"error": str(exc)}
+        completion += [{"role": "assistant", "content": "", "tool_calls": [call(action)]},
+                       {"role": "tool", "name": TOOL_NAME, "content": str(result)}]
+    completion.append({"role": "assistant", "content": final})
+    return completion
+
+
+SCRIPTS = [
     (["stick"], ""),
     (["hit", "hit", "stick"], ""),
     (["hit"], "I think I am done."),
-    (["hit"], tool_call_text(0)),  # a call TRL did not parse, read by ours
+    (["hit"], tool_call_text(0)),  # a call TRL's parser did not find: the rollout ended without it
     (["stand"], ""),
     ([], "no call at all"),
-])
+]
+
+
+@pytest.mark.parametrize("actions,final", SCRIPTS)
 def test_scripted_rollouts_score_as_our_env(actions, final):
-    factory = trl_environment(scoring="expected", format_bonus=0.3)
+    settings = {"scoring": "expected", "format_bonus": 0.3}
+    factory = trl_environment(**settings)
     for seed in range(12):
         env = factory()
-        assert env.reset(seed=seed, prompt=[]) is None
-        completion = []
-        for action in actions:
-            try:
-                result = env.take_action(action)
-            except RuntimeError as exc:
-                result = {"error": str(exc)}
-            completion += [{"role": "assistant", "content": "", "tool_calls": [call(action)]},
-                           {"role": "tool", "name": TOOL_NAME, "content": str(result)}]
-        completion.append({"role": "assistant", "content": final})
-        [reward] = blackjack_reward([completion], [env])
-        assert reward == replay(seed, completion, EnvSettings(scoring="expected", format_bonus=0.3))
+        assert env.reset(seed=seed, prompt=prompt_rows([seed])[0]["prompt"]) is None
+        completion = play_script(env, actions, final)
+        reward = env.get_reward()
+        assert reward == env.get_reward() == replay(seed, completion, EnvSettings(**settings))
+        assert blackjack_reward([completion], [env]) == [reward]
 
 
-def test_a_row_without_a_seed_is_refused():
-    with pytest.raises(ValueError, match="seed"):
-        BlackjackTRLEnv().reset(prompt=[])
+def test_one_instance_plays_batch_after_batch_as_fresh_ones_do():
+    pooled = BlackjackTRLEnv()
+    for round_ in range(3):
+        for seed, (actions, final) in enumerate(SCRIPTS):
+            fresh = BlackjackTRLEnv()
+            rewards = []
+            for env in (pooled, fresh):
+                env.reset(seed=seed + 100 * round_, prompt=[{"role": "user", "content": "the deal"}])
+                completion = play_script(env, actions, final)
+                rewards.append(env.get_reward())
+            assert rewards[0] == rewards[1] == replay(seed + 100 * round_, completion)
+            assert pooled.env.play.decisions == fresh.env.play.decisions
+
+
+def test_without_a_dataset_reset_deals_the_factorys_seeds_and_returns_the_prompt():
+    factory = trl_environment(first_seed=40, group_size=2)
+    envs = [factory() for _ in range(3)]
+    core = BlackjackEnv(solve(Rules()))
+    shown = []
+    for env in envs + envs:  # TRL's placeholder row: one empty user turn
+        shown.append((env.reset(prompt=[{"role": "user", "content": ""}]), env.env.play.seed))
+    assert [seed for _, seed in shown] == [40, 40, 41, 41, 42, 42]
+    for text, seed in shown:
+        messages, _ = core.reset(seed)
+        assert text == messages[0]["content"] + "\n\n" + messages[1]["content"]
+    # a row of seeds only: that seed, and its prompt
+    assert envs[0].reset(seed=7) == "\n\n".join(m["content"] for m in core.reset(7)[0])
+    fresh = trl_environment()()  # each factory counts its own deals
+    fresh.reset()
+    assert fresh.env.play.seed == 0
+
+
+def test_user_errors_are_one_clear_line():
+    with pytest.raises(ValueError, match="seed") as row:
+        BlackjackTRLEnv().reset(prompt=[{"role": "user", "content": "a deal"}])
+    with pytest.raises(ValueError, match="group_size") as group:
+        trl_environment(group_size=0)
+    with pytest.raises(RuntimeError, match="reset") as early:
+        BlackjackTRLEnv().get_reward()
+    env = BlackjackTRLEnv()
+    env.reset(seed=1)
+    with pytest.raises(ValueError, match="drop reward_funcs=blackjack_reward") as twice:
+        blackjack_reward([[]], [env], trainer_state=object())
+    for error in (row, group, early, twice):
+        assert "\n" not in str(error.value)
 
 
 def test_the_dataset_shows_the_deal_of_its_seed():
@@ -82,7 +138,7 @@ def smollm2(hf_tokenizer_dir):
     tokenizer rebuilt from the GGUF's vocabulary."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from blackjack_rl.policies.torch.model import load_model
+    from blackjack_rl.model.io import load_model
 
     model, _ = load_model(None)
     config = model.config
@@ -91,51 +147,97 @@ def smollm2(hf_tokenizer_dir):
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict(), strict=False)
     plain.tie_weights()
-    return plain, tool_chat_tokenizer(AutoTokenizer.from_pretrained(str(hf_tokenizer_dir)))
+    return plain, AutoTokenizer.from_pretrained(str(hf_tokenizer_dir))
 
 
-def test_the_tokenizer_renders_and_parses_our_tool_calls(smollm2):
-    from trl.chat_template_utils import parse_response
+def test_the_smollm2_template_passes_trls_tool_check_and_parses_our_calls(smollm2):
+    from trl.chat_template_utils import parse_response, supports_tool_calling
 
     _, tokenizer = smollm2
+    assert not supports_tool_calling(tokenizer)  # SmolLM2's own template has no tool role
+    tokenizer = tool_chat_tokenizer(tokenizer)
+    assert supports_tool_calling(tokenizer)
+    [row] = prompt_rows([3])
+    prompt = tokenizer.apply_chat_template(row["prompt"], tools=[BlackjackTRLEnv().take_action],
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     ids = tokenizer.encode(tool_call_text(1) + "<|im_end|>", add_special_tokens=False)
-    parsed = parse_response(tokenizer, ids)
+    parsed = parse_response(tokenizer, ids, prefix=prompt)
     assert parsed["tool_calls"][0]["function"] == {"name": TOOL_NAME, "arguments": {"action": "hit"}}
+    assert tool_chat_tokenizer(tokenizer).chat_template == tokenizer.chat_template  # idempotent
 
 
-@pytest.mark.slow
-def test_grpo_trainer_trains_two_steps_and_its_rewards_are_ours(smollm2, tmp_path, monkeypatch):
+def calls_only(tokenizer) -> list:
+    """transformers' `sequence_bias` that makes every answer a take_action call, hit or stick as
+    the model prefers: each token of the call text is favoured once the tokens before it are written.
+    SmolLM2-135M rarely writes a call of its own, and TRL's tool loop is what the test is about."""
+    calls = [tokenizer.encode(tool_call_text(action) + "<|im_end|>", add_special_tokens=False) for action in (0, 1)]
+    return [[call[:k + 1], 100.0] for call in calls for k in range(len(call))]
+
+
+def run_grpo(model, tokenizer, tmp_path, factory, dataset, steps=2):
+    """GRPOTrainer on CPU, every answer a call (see calls_only), rewarded by the environment's
+    get_reward() alone; returns TRL's completions with the seeds they were dealt, the rewards
+    TRL got, and the trainer."""
     from trl import GRPOConfig, GRPOTrainer
 
-    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    model, tokenizer = smollm2
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    seen = []
+    played, rewarded = [], []
 
-    def recorded_reward(completions, environments, **kwargs):
-        rewards = blackjack_reward(completions, environments, **kwargs)
-        seen.extend((env.env.play.seed, completion, reward) for env, completion, reward in zip(environments, completions, rewards))
-        return rewards
+    def record(completions, environments, **kwargs):  # sees TRL's completions; adds nothing (None)
+        played.extend((env.env.play.seed, completion) for env, completion in zip(environments, completions))
+        return [None] * len(completions)
 
+    class Recorded(factory):
+        def get_reward(self) -> float:
+            reward = super().get_reward()
+            rewarded.append((self.env.play.seed, reward))
+            return reward
+
+    Recorded.__name__ = factory.__name__
     args = GRPOConfig(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, num_generations=2,
-        max_completion_length=16, max_tool_calling_iterations=1, use_cpu=True, report_to="none",
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=96, max_tool_calling_iterations=2, use_cpu=True, report_to="none",
+        generation_kwargs={"sequence_bias": calls_only(tokenizer)},
         logging_steps=1, save_strategy="no", temperature=1.0, learning_rate=1e-4, seed=0,
+        gradient_checkpointing=False,  # TRL 1.x turns it on, and generation then runs without its KV cache
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a shared 2-core machine one thread is faster than two contended ones
     try:
-        trainer = GRPOTrainer(model=model, processing_class=tokenizer, train_dataset=prompt_dataset(range(8)),
-                              environment_factory=BlackjackTRLEnv, reward_funcs=recorded_reward, args=args)
+        trainer = GRPOTrainer(model=model, processing_class=tool_chat_tokenizer(tokenizer), train_dataset=dataset,
+                              environment_factory=Recorded, reward_funcs=[record], args=args)
         trainer.train()
     finally:
         torch.set_num_threads(threads)
+    return played, rewarded, trainer
 
-    assert trainer.state.global_step == 2 and len(seen) == 4
-    for seed, completion, reward in seen:
+
+@pytest.mark.slow
+def test_grpo_trainer_trains_two_steps_and_its_rewards_are_ours(smollm2, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    model, tokenizer = smollm2
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    played, rewarded, trainer = run_grpo(model, tokenizer, tmp_path, BlackjackTRLEnv, prompt_dataset(range(8)))
+
+    assert trainer.state.global_step == 2 and len(played) == len(rewarded) == 4
+    assert [seed for seed, _ in played] == [seed for seed, _ in rewarded]
+    assert len({seed for seed, _ in played[:2]}) == 1  # a group shares its row's deal
+    for (seed, completion), (_, reward) in zip(played, rewarded):
         assert reward == replay(seed, completion)
     logged = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    assert logged == pytest.approx([sum(r for _, _, r in seen[:2]) / 2, sum(r for _, _, r in seen[2:]) / 2])
+    rewards = [r for _, r in rewarded]
+    assert logged == pytest.approx([sum(rewards[:2]) / 2, sum(rewards[2:]) / 2])
     # every reward equal means no advantage and no update; a learning signal changes the weights
-    if any(r != seen[0][2] for _, _, r in seen):
+    if len(set(rewards)) > 1:
         assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.slow
+def test_grpo_trainer_needs_no_dataset(smollm2, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    model, tokenizer = smollm2
+    played, rewarded, trainer = run_grpo(model, tokenizer, tmp_path, trl_environment(first_seed=500, group_size=2), None, steps=1)
+
+    assert trainer.state.global_step == 1
+    assert [seed for seed, _ in played] == [seed for seed, _ in rewarded] == [500, 500]  # one deal per group
+    for (seed, completion), (_, reward) in zip(played, rewarded):
+        assert reward == replay(seed, completion)

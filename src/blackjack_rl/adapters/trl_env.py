@@ -1,27 +1,30 @@
-"""TRL: an `environment_factory` class for `GRPOTrainer`, and the prompt dataset it trains on.
+"""TRL (>= 1.16): an `environment_factory` class for `GRPOTrainer`, and the prompt dataset it trains on.
 
     trainer = GRPOTrainer(model=..., processing_class=tool_chat_tokenizer(tok),
-                          train_dataset=prompt_dataset(range(1000)),
-                          environment_factory=BlackjackTRLEnv, reward_funcs=blackjack_reward,
-                          args=GRPOConfig(...))
+                          train_dataset=prompt_dataset(range(1000)),   # optional
+                          environment_factory=BlackjackTRLEnv, args=GRPOConfig(...))
 
-TRL creates one instance per rollout and calls `reset(**row)` with the dataset row; the
-public method `take_action` becomes the model's tool (its docstring is the schema). The
-reward is a reward function rather than the env's `get_reward` because the rollout's last
-answer (the one TRL found no call in) must be read by our parser too: it is an answer like
-any other, so the reward equals `BlackjackEnv`'s for the same deal and the same answers.
+TRL keeps a pool of instances and calls `reset(**row)` on one per rollout, batch after batch;
+`reset` starts a fresh hand, so nothing of an earlier rollout is left. The public method
+`take_action` becomes the model's tool (its docstring is the schema), and `get_reward()` is
+TRL's reward for the rollout: the episode's score from `BlackjackEnv`. Each call TRL runs is
+one answer to `BlackjackEnv.step`; the rollout ends with a message TRL found no call in, and
+when the hand is not over by then, that message is an answer without a call (invalid, as in
+our own loop) and the episode ends there without a re-prompt.
+
+Without a dataset, `reset()` deals the next seed of its factory (from `first_seed` up, each
+seed `group_size` times in a row) and returns the prompt for TRL to show.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
+import itertools
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
+from blackjack_rl.contract.protocol import TOOL_NAME
 from blackjack_rl.env import BlackjackEnv, EnvSettings, solution_for
 from blackjack_rl.game.table import Rules
-from blackjack_rl.contract.protocol import TOOL_NAME
 
 
 class GameOver(RuntimeError):
@@ -31,21 +34,35 @@ class GameOver(RuntimeError):
 class BlackjackTRLEnv:
     """One Blackjack hand per rollout; `trl_environment(...)` makes one with other rules or scoring.
 
-    Every public method is a tool to TRL, so this class has exactly one: `take_action`.
+    TRL makes every public method but `reset` and `get_reward` a tool, so this class has exactly
+    one: `take_action`.
     """
 
-    rules: Rules = Rules()
-    settings: EnvSettings = EnvSettings()
+    rules: ClassVar[Rules] = Rules()
+    settings: ClassVar[EnvSettings] = EnvSettings()
+    first_seed: ClassVar[int] = 0
+    group_size: ClassVar[int] = 1
+    _deals: ClassVar[Iterable[int]] = itertools.count()  # the factory's own; trl_environment makes a new one
 
     def __init__(self) -> None:
         self.env = BlackjackEnv(solution_for(self.rules), self.settings)
 
-    def reset(self, seed: int | None = None, **row: Any) -> str | None:
-        """Deal the row's seed. The row's prompt already shows this deal, so nothing is appended."""
+    def reset(self, seed: int | None = None, prompt: Any = None, **row: Any) -> str | None:
+        """Deal a fresh hand: the row's seed, or the factory's next one when the row has none.
+
+        A row with its prompt (from `prompt_dataset`) returns None: the prompt already shows the
+        deal. Without a prompt (no dataset, or rows of seeds only) the prompt is returned, our
+        system prompt and the hand in one text, for TRL to put in the user turn.
+        """
+        has_prompt = _has_content(prompt)
         if seed is None:
-            raise ValueError("each dataset row needs a `seed` column: build the dataset with prompt_dataset()")
-        self.env.reset(int(seed))
-        return None
+            if has_prompt:
+                raise ValueError("a dataset row with a prompt needs its `seed` column: build the dataset with prompt_dataset()")
+            seed = self.first_seed + next(self._deals) // self.group_size
+        messages, _ = self.env.reset(int(seed))
+        if has_prompt:
+            return None
+        return "\n\n".join(message["content"] for message in messages)
 
     def take_action(self, action: str) -> str:
         """Play your turn in Blackjack.
@@ -67,40 +84,58 @@ class BlackjackTRLEnv:
             return f"The game is over: you {'won' if play.outcome == 'win' else 'lost' if play.outcome == 'loss' else 'drew'}."
         return f"The game is over: {info['parse']['detail'] or play.invalid_reason}."
 
-    def _finish(self, completion: list[dict[str, Any]] | str) -> float:
-        """Score the rollout. Its last answer had no call TRL could parse; our parser reads it as
-        the episode's next answer (no re-prompt: the rollout is over). A hand still unfinished
-        after it ends as truncated ("rollout_ended"), scored like an invalid answer."""
+    def get_reward(self) -> float:
+        """The rollout's reward (TRL calls it once the rollout is over): the episode's score.
+
+        A hand still open when the rollout ended had a last message without a call TRL could
+        run: that is an answer without a call, which ends the episode as invalid (no re-prompt,
+        the rollout is over). Asking again returns the same score.
+        """
+        if self.env.observation is None:
+            raise RuntimeError("get_reward() before reset(): no hand was dealt")
         if not self.env.done:
-            last = completion if isinstance(completion, str) else _final_answer(completion)
-            if last is not None:
-                self.env.step(last, allow_retry=False)
-            if not self.env.done:
-                self.env.truncate("rollout_ended")
+            self.env.step("", None, allow_retry=False)
         return float(self.env.play.score)
 
 
-def trl_environment(natural: bool = False, sab: bool = False, **settings: Any) -> type[BlackjackTRLEnv]:
-    """An `environment_factory` for other rules or `EnvSettings` (TRL calls it with no arguments)."""
-    attrs = {"rules": Rules(natural=natural, sab=sab), "settings": EnvSettings(**settings)}
+def _has_content(prompt: Any) -> bool:
+    """Whether a row's prompt shows anything (TRL's dataset-less rows carry one empty user turn)."""
+    if isinstance(prompt, str):
+        return bool(prompt)
+    if isinstance(prompt, list):
+        return any(_has_content(m.get("content")) if isinstance(m, dict) else bool(m) for m in prompt)
+    return prompt is not None
+
+
+def trl_environment(
+    natural: bool = False, sab: bool = False, first_seed: int = 0, group_size: int = 1, **settings: Any
+) -> type[BlackjackTRLEnv]:
+    """An `environment_factory` for other rules or `EnvSettings` (TRL calls it with no arguments).
+
+    `first_seed` and `group_size` apply without a dataset: resets deal first_seed, first_seed + 1,
+    ... each `group_size` times in a row. Set `group_size` to `num_generations` so that a GRPO
+    group plays one deal (TRL resets a group's rollouts one after another in a process).
+    """
+    if not (isinstance(group_size, int) and group_size >= 1):
+        raise ValueError(f"group_size must be a whole number of at least 1, not {group_size!r}")
+    if not (isinstance(first_seed, int) and 0 <= first_seed < 2**63):
+        raise ValueError(f"first_seed must be a whole number from 0 to 2**63 - 1, not {first_seed!r}")
+    attrs = {"rules": Rules(natural=natural, sab=sab), "settings": EnvSettings(**settings),
+             "first_seed": first_seed, "group_size": group_size, "_deals": itertools.count()}
     return type(BlackjackTRLEnv.__name__, (BlackjackTRLEnv,), attrs)
 
 
-def _final_answer(completion: list[dict[str, Any]]) -> str | None:
-    """The text of the last assistant message, when TRL did not run it as tool calls."""
-    if not completion or completion[-1].get("role") != "assistant" or completion[-1].get("tool_calls"):
-        return None
-    content = completion[-1].get("content")
-    if isinstance(content, list):  # content blocks
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return content if isinstance(content, str) else None
+def blackjack_reward(completions: list, environments: list | None = None, **kwargs: Any) -> list[float]:
+    """Each rollout's score from the environment that played it: what `get_reward()` gives TRL.
 
-
-def blackjack_reward(completions: list, environments: list | None = None, **_: Any) -> list[float]:
-    """TRL reward function: each rollout's episode score, from the environment that played it."""
+    For scoring or logging outside the trainer. GRPOTrainer already takes `get_reward()` as a
+    reward source, so passing this as a reward function as well would count the score twice.
+    """
     if environments is None:
-        raise ValueError("blackjack_reward needs GRPOTrainer(environment_factory=BlackjackTRLEnv)")
-    return [env._finish(completion) for env, completion in zip(environments, completions, strict=True)]
+        raise ValueError("blackjack_reward needs the environments that played the completions (BlackjackTRLEnv)")
+    if "trainer_state" in kwargs and any(isinstance(env, BlackjackTRLEnv) for env in environments):
+        raise ValueError("GRPOTrainer already takes BlackjackTRLEnv.get_reward() as the reward: drop reward_funcs=blackjack_reward")
+    return [env.get_reward() for env, _ in zip(environments, completions, strict=True)]
 
 
 def prompt_rows(seeds: Iterable[int], natural: bool = False, sab: bool = False, thinking: bool = False) -> list[dict]:
@@ -118,53 +153,27 @@ def prompt_dataset(seeds: Iterable[int], natural: bool = False, sab: bool = Fals
     return Dataset.from_list(prompt_rows(seeds, natural, sab, thinking))
 
 
-# Transformers' response-parsing spec (>= 5.13) for a ChatML answer with Hermes `<tool_call>` blocks.
-# TRL < 1.0 sets only the older `response_schema`, which those transformers no longer read.
-HERMES_RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant", "content": ""},  # TRL 0.x reads `content` even when a call is all
-    "start_anchor": "<|im_start|>assistant\n",
-    "fields": {
-        "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
-        "tool_calls": {
-            "open": "<tool_call>",
-            "close_pattern": r"</tool_call>\s*",
-            "repeats": True,
-            "content": "json",
-            "transform": {"type": "function", "function": "{content}"},
-        },
-        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
-    },
-}
-
-
-def _trl_major() -> int:
-    from importlib.metadata import version
-
-    return int(version("trl").split(".")[0])
-
-
 def tool_chat_tokenizer(tokenizer: Any) -> Any:
-    """Make a tokenizer ready for TRL's tool loop. A ChatML template TRL cannot parse tool calls
-    from (SmolLM2's has no tool role) is replaced by TRL's Qwen3 ChatML template, whose
-    `<tool_call>` blocks are the format our prompt teaches; TRL then renders and parses calls."""
-    from trl.chat_template_utils import add_response_schema, qwen3_chat_template
+    """Make a tokenizer ready for TRL's tool loop. A ChatML template that cannot render tool calls
+    (SmolLM2's has no tool role, so TRL refuses it) is replaced by TRL's Qwen3 ChatML template,
+    whose `<tool_call>` blocks are the format our prompt teaches; TRL then renders and parses calls."""
+    from trl.chat_template_utils import add_response_schema, qwen3_chat_template, supports_tool_calling
 
+    if not supports_tool_calling(tokenizer):
+        if "<|im_start|>" not in tokenizer.get_vocab():
+            raise ValueError(
+                "this tokenizer's chat template cannot render tool calls and it is not ChatML: "
+                "set a tool-calling template TRL knows (see trl.chat_template_utils)"
+            )
+        tokenizer.chat_template = qwen3_chat_template
     try:
         add_response_schema(tokenizer)
     except ValueError:
-        if "<|im_start|>" not in tokenizer.get_vocab():
+        if not (getattr(tokenizer, "response_template", None) or getattr(tokenizer, "response_schema", None)):
             raise ValueError(
-                "TRL cannot parse tool calls with this tokenizer's chat template and it is not ChatML: "
-                "set a template TRL knows (see trl.chat_template_utils)"
+                "TRL cannot parse tool calls with this tokenizer's chat template: set its response_template "
+                "(transformers' response parsing) or use a template TRL knows (see trl.chat_template_utils)"
             ) from None
-        tokenizer.chat_template = qwen3_chat_template
-        add_response_schema(tokenizer)
-    if getattr(tokenizer, "response_template", None) is None:
-        tokenizer.response_template = HERMES_RESPONSE_TEMPLATE
-    if _trl_major() < 1 and "prefix" in inspect.signature(tokenizer.parse_response).parameters:
-        # TRL 0.x calls parse_response(ids) on the completion alone; newer transformers then ask
-        # for the prompt prefix, which a Hermes answer does not need (nothing is pre-written).
-        tokenizer.parse_response = functools.partial(tokenizer.parse_response, prefix="")
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
