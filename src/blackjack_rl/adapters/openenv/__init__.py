@@ -1,8 +1,8 @@
-"""OpenEnv: an HTTP/WebSocket environment server (openenv-core), its models and its client.
+"""OpenEnv: an HTTP/WebSocket environment server (the `openenv` package), its models and its client.
 
 Start it with ``python -m blackjack_rl.adapters.openenv`` (binds 127.0.0.1 unless told
 otherwise); the manifest is ``openenv.yaml`` beside this file. The names below load
-openenv-core on first use, so the command can say in one line when the extra is missing.
+OpenEnv on first use, so the command can say in one line when the extra is missing.
 """
 
 from importlib import import_module

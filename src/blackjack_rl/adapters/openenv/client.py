@@ -1,4 +1,4 @@
-"""The client side: openenv-core's `EnvClient` typed with our models (async; `.sync()` for blocking use)."""
+"""The client side: OpenEnv's `EnvClient` typed with our models (async; `.sync()` for blocking use)."""
 
 from __future__ import annotations
 

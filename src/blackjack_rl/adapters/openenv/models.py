@@ -1,4 +1,4 @@
-"""The wire models: pydantic Action / Observation / State on openenv-core's base classes."""
+"""The wire models: pydantic Action / Observation / State on OpenEnv's base classes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The server side: `BlackjackEnv` as an openenv-core `Environment`, one instance per session."""
+"""The server side: `BlackjackEnv` as an OpenEnv `Environment`, one instance per session."""
 
 from __future__ import annotations
 
