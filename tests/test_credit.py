@@ -51,7 +51,7 @@ def test_expected_score_is_v0_minus_regret(vocab_chat, solution):
         regret = sum(d.regret for d in ep.decisions)
         assert ep.scores["expected"] == pytest.approx(ep.start_value - regret)
         first = ep.decisions[0]
-        assert ep.start_value == solution.v((first.player_sum, first.dealer_card, first.usable_ace), first.natural)
+        assert ep.start_value == solution.v(first.observation, first.natural)
 
 
 def test_scoring_mode_selects_the_training_score_and_bonus_rewards_format(vocab_chat, solution):

@@ -56,7 +56,7 @@ def test_a_finished_game_scores_the_gymnasium_reward(vocab_chat, solution):
         env = gym.make("Blackjack-v1", natural=False, sab=False)
         env.reset(seed=seed)
         for d in ep.decisions:
-            _, r, term, _, _ = env.step(d.action)
+            _, r, term, _, _ = env.step(d.action_id)
         assert term and r == ep.reward
 
 

@@ -97,10 +97,10 @@ def test_episode_group_advantages_credit_each_decision(vocab_chat, solution):
                 if d.action is None:
                     assert len(set(adv[start:end])) == 1  # one validity penalty on every token
                     continue
-                q = solution.q_values((d.player_sum, d.dealer_card, d.usable_ace), d.natural)
+                q = solution.q_values(d.observation, d.natural)
                 values = adv[start:end]
                 fmt = max(set(values), key=values.count)  # every other token: the validity credit
-                assert fmt + q[d.action] - (q[0] + q[1]) / 2 in [pytest.approx(x) for x in values]
+                assert fmt + q[d.action_id] - (q[0] + q[1]) / 2 in [pytest.approx(x) for x in values]
                 seen += 1
     assert seen > 20
 
@@ -344,7 +344,7 @@ def test_a_peft_adapter_plays_the_same_in_llama_cpp(tmp_path, gguf_path):
     quantized model the way it moves the torch model."""
     torch = pytest.importorskip("torch", reason="needs the train extra")
     from blackjack_rl.policies.embedded import EmbeddedPolicy
-    from blackjack_rl.policies.torch.model import add_lora, load_model, save_adapter
+    from blackjack_rl.model.io import add_lora, load_model, save_adapter
     from blackjack_rl.policies.torch.policy import TorchPolicy
 
     model, tokenizer = load_model(None)
@@ -359,7 +359,7 @@ def test_a_peft_adapter_plays_the_same_in_llama_cpp(tmp_path, gguf_path):
             if "lora_B" in name:
                 p.normal_(0.0, 0.08)
     save_adapter(lora, tokenizer, tmp_path / "adapter", None)
-    from blackjack_rl.policies.torch.model import export_model
+    from blackjack_rl.model.io import export_model
 
     # the model dequantized from the GGUF saves as a plain model (transformers marks it as quantized)
     assert (export_model(lora, tokenizer, tmp_path / "merged") / "model.safetensors").is_file()

@@ -4,7 +4,7 @@ Committed and shipped files (adapters, run settings and commands, logs, metrics)
 machines: an absolute path of this one (its home directory, this checkout, the Python prefix, the
 temporary directory, a cache) means nothing there. The scan below fails naming each file and line
 that holds one. A trained adapter names its base model portably (the embedded GGUF's name and
-sha256, policies/torch/base_ref.py), and every loader resolves that name back to the local model
+sha256, model/base_ref.py), and every loader resolves that name back to the local model
 and checks its hash.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from blackjack_rl.policies.torch.base_ref import (
+from blackjack_rl.model.base_ref import (
     FIELD,
     check_base,
     content_sha256,
@@ -165,7 +165,7 @@ def tiny_model_dir(tmp_path_factory, gguf_path) -> Path:
     torch = pytest.importorskip("torch")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from blackjack_rl.policies.torch.model import build_hf_tokenizer
+    from blackjack_rl.model.io import build_hf_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
@@ -189,7 +189,7 @@ TRAIN = ["--steps", "1", "--deals-per-step", "2", "--group-size", "0", "--credit
 def test_a_trained_adapter_names_its_base_portably_and_loads_back(tiny_model_dir, tmp_path, monkeypatch):
     import torch
 
-    from blackjack_rl.policies.torch.model import load_model
+    from blackjack_rl.model.io import load_model
 
     elsewhere = tmp_path / "elsewhere"  # the command runs outside the folder holding the run
     elsewhere.mkdir()
@@ -230,7 +230,7 @@ def test_a_trained_adapter_names_its_base_portably_and_loads_back(tiny_model_dir
 @torch_needed
 @pytest.mark.slow  # torch training
 def test_an_adapter_of_another_base_is_refused_in_one_line(tiny_model_dir, tmp_path):
-    from blackjack_rl.policies.torch.model import load_model
+    from blackjack_rl.model.io import load_model
 
     out = tmp_path / "run"
     run = run_cli("train", "--model-path", str(tiny_model_dir), *TRAIN, "--out", str(out), cwd=tmp_path)

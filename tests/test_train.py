@@ -15,17 +15,19 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the trainer needs the train extra: pip install -e '.[train]'")
 
-from blackjack_rl.config import GroupConfig, Settings, TrainConfig  # noqa: E402
+from blackjack_rl.config import GroupConfig, PolicyConfig, Settings, TrainConfig  # noqa: E402
 from blackjack_rl.rollout.episodes import EpisodeSettings, opening_messages  # noqa: E402
 from blackjack_rl.game.table import Observation  # noqa: E402
 from blackjack_rl.rollout.players import Player  # noqa: E402
 from blackjack_rl.contract.protocol import HIT, tool_call_text  # noqa: E402
 from blackjack_rl.contract.tokens import MASKED, ChatFormat, HFTokenizer, trained_spans  # noqa: E402
-from blackjack_rl.policies.torch.forward import RowCache, forward_rows, run_prefix  # noqa: E402
-from blackjack_rl.policies.torch.logprobs import Targets, pack_rows, token_logprobs  # noqa: E402
-from blackjack_rl.train.grpo import LossConfig, group_advantages, trained_targets  # noqa: E402
-from blackjack_rl.train.loop import make_trainable, optimize  # noqa: E402
-from blackjack_rl.policies.torch.model import build_hf_tokenizer, load_model  # noqa: E402
+from blackjack_rl.contract.records import ScoredDataGroup  # noqa: E402
+from blackjack_rl.model.forward import RowCache, forward_rows, run_prefix  # noqa: E402
+from blackjack_rl.model.io import build_hf_tokenizer, load_model  # noqa: E402
+from blackjack_rl.model.logprobs import Targets, pack_rows, token_logprobs  # noqa: E402
+from blackjack_rl.train.grpo import LossConfig, group_advantages, optimize, rows_of, trained_targets  # noqa: E402
+from blackjack_rl.train.groups import read_group  # noqa: E402
+from blackjack_rl.train.trainer import make_trainable  # noqa: E402
 from blackjack_rl.policies.torch.policy import TorchPolicy  # noqa: E402
 from blackjack_rl.policies.sampling import Sampling  # noqa: E402
 from helpers import ServerProcess, deal_groups, run_cli  # noqa: E402
@@ -148,39 +150,44 @@ def test_packing_is_skipped_where_one_wide_row_would_pad_many_narrow_ones():
 @pytest.mark.parametrize("group_by", ["step", "episode"])
 def test_sampled_logprobs_are_what_training_computes(tiny_policy, solution, group_by):
     player = Player(tiny_policy, tiny_policy.chat, solution, EpisodeSettings())
-    tiny_policy.record_layer = 1
-    [result] = deal_groups(player, 7, GroupConfig(group_size=4, credit=group_by))[:1]
-    group = result.group.to_json()  # as a trainer receives it
+    tiny_policy.sample_with(tiny_policy.model, frozen_below=1)  # as the trainer hands it a model
+    with tiny_policy.recording() as states:
+        [result] = deal_groups(player, 7, GroupConfig(group_size=4, credit=group_by))[:1]
+    assert states, "sampling recorded the trunk's states"
+    group = result.group  # as a trainer receives it
     targets = trained_targets(group)
     assert targets.old_logprobs is not None and len(targets.rows) > 0
     with torch.no_grad():
-        full = token_logprobs(tiny_policy.model, group["tokens"], targets, 1.0)
-        trunk = token_logprobs(tiny_policy.model, group["tokens"], targets, 1.0, first_layer=1)
-        recorded = token_logprobs(tiny_policy.model, group["tokens"], targets, 1.0, first_layer=1,
-                                  states=tiny_policy.states)
-    assert tiny_policy.states, "sampling recorded the trunk's states"
+        full = token_logprobs(tiny_policy.model, group.tokens, targets, 1.0)
+        trunk = token_logprobs(tiny_policy.model, group.tokens, targets, 1.0, first_layer=1)
+        recorded = token_logprobs(tiny_policy.model, group.tokens, targets, 1.0, first_layer=1, states=states)
     for got in (full, trunk, recorded):
         torch.testing.assert_close(got, targets.old_logprobs, atol=1e-4, rtol=1e-4)
+    with tiny_policy.recording() as outside:
+        pass
+    deal_groups(player, 8, GroupConfig(group_size=2, credit=group_by))
+    assert not outside, "nothing is recorded outside `recording`"
     # each answer is exactly what was sampled: it ends on a stop token or at max_tokens
-    for seq, mask in zip(group["tokens"], group["masks"]):
+    for seq, mask in zip(group.tokens, group.masks):
         for start, end in trained_spans(mask):
             assert seq[end - 1] in tiny_policy.stop or end - start == tiny_policy.max_tokens
 
 
-def _synthetic_group(chat: ChatFormat, good: list[int], bad: list[int]) -> dict:
+def _synthetic_group(chat: ChatFormat, good: list[int], bad: list[int],
+                     scores: tuple[float, ...] = (1.0, -1.0, 1.0, -1.0)) -> ScoredDataGroup:
     """Two answers to one prompt, twice each: `good` scores 1, `bad` scores -1."""
     prompt = chat.prompt_ids(opening_messages(Observation(15, 10, False)))
     tokens, masks = [], []
     for answer in (good, bad, good, bad):
         tokens.append(prompt + answer)
         masks.append([MASKED] * len(prompt) + answer)
-    return {"tokens": tokens, "masks": masks, "scores": [1.0, -1.0, 1.0, -1.0]}
+    return read_group({"tokens": tokens, "masks": masks, "scores": list(scores)})
 
 
 def _answer_logprob(model, group, row: int) -> float:
     targets = trained_targets(group)
     with torch.no_grad():
-        lp = token_logprobs(model, group["tokens"], targets, 1.0)
+        lp = token_logprobs(model, group.tokens, targets, 1.0)
     return float(lp[targets.rows == row].sum())
 
 
@@ -212,8 +219,7 @@ def test_one_step_moves_probability_to_the_higher_scored_answer(tiny_model_dir, 
 def test_groups_without_signal_are_not_trained(tiny_model_dir):
     model, tokenizer = load_model(tiny_model_dir)
     chat = ChatFormat.learn(tokenizer)
-    group = _synthetic_group(chat, chat.answer_ids("a"), chat.answer_ids("b"))
-    group["scores"] = [-1.0] * 4
+    group = _synthetic_group(chat, chat.answer_ids("a"), chat.answer_ids("b"), scores=(-1.0,) * 4)
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]
     stats = optimize(model, torch.optim.AdamW(params, lr=1e-2), params, [group], LossConfig(), Settings(), None)
@@ -232,7 +238,8 @@ def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir,
     out = tmp_path / "run"
     run = run_cli("train", "--model-path", str(tiny_model_dir), "--steps", "2", "--deals-per-step", "2",
                "--group-size", "4", "--credit", "step", "--max-tokens", "6", "--eval-episodes", "3",
-               "--eval-every", "1", "--save-every", "1", "--lora", "--threads", "1", "--out", str(out), cwd=tmp_path)
+               "--eval-every", "1", "--save-every", "1", "--lora", "--threads", "1", "--max-batch", "8",
+               "--out", str(out), cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in rows] == [
@@ -248,6 +255,7 @@ def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir,
     assert (out / "model" / "model.safetensors").is_file() and (out / "model" / "tokenizer.json").is_file()
     assert (out / "checkpoints" / "step_0001" / "adapter_model.safetensors").is_file()
     assert "train" in (out / "command.txt").read_text()
+    assert json.loads((out / "settings.json").read_text())["policy"]["max_batch"] == 8
 
     ev = run_cli("evaluate", "--policy", "hf", "--model-path", str(out / "model"), "--episodes", "3",
               "--max-tokens", "6", "--threads", "1", "--quiet", "--out", str(tmp_path / "ev"), cwd=tmp_path)
@@ -259,6 +267,21 @@ def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir,
 def test_train_rejects_other_policies(tmp_path):
     run = run_cli("train", "--policy", "random", "--out", str(tmp_path), cwd=tmp_path)
     assert run.returncode == 2 and "drop --policy" in run.stderr
+
+
+def test_the_torch_batch_size_is_its_own_setting(tiny_model_dir):
+    """--max-batch sizes the torch policy's sampling batches whatever --concurrency says; the
+    policies that do not batch that way refuse it, in one line."""
+    from blackjack_rl.config import EvalConfig
+    from blackjack_rl.policies import check_supported, make_policy
+
+    policy = PolicyConfig(kind="hf", model_path=str(tiny_model_dir), max_batch=8, n_threads=1)
+    built = make_policy(Settings(policy=policy, evaluate=EvalConfig(concurrency=3)))
+    assert built.policy.max_batch == 8
+    for other in ({"kind": "embedded"}, {"kind": "openai", "model": "m"}, {"kind": "random"}):
+        with pytest.raises(ValueError, match="--max-batch") as refused:
+            check_supported(PolicyConfig(**other, max_batch=8))
+        assert "\n" not in str(refused.value)
 
 
 @pytest.mark.slow  # torch training
@@ -282,7 +305,9 @@ def test_trains_on_batches_pulled_from_the_trajectory_api(tiny_policy, solution,
     finally:
         api.stop()
     assert len(pulled) == 2 and info["redelivered"] is False
-    assert pulled[0]["tokens"] == groups[0]["tokens"]
+    assert all(isinstance(g, ScoredDataGroup) for g in pulled)  # read into the typed group, records typed
+    assert pulled[0].tokens == groups[0]["tokens"] and pulled[0].scores == groups[0]["scores"]
+    assert [r.to_json() for r in pulled[1].episodes] == groups[1]["episodes"]
     model = tiny_policy.model
     params = list(model.parameters())
     stats = optimize(model, torch.optim.AdamW(params, lr=1e-3), params, pulled, LossConfig(), Settings(), None)
@@ -309,7 +334,7 @@ def test_per_token_credit_moves_the_decision_and_not_the_format(tiny_model_dir):
         [0.0] * len(prompt) + [(0.3 if i in action[0] else 0.0) for i in range(len(calls[0]))],
         [0.0] * len(prompt) + [(-0.3 if i in action[1] else 0.0) for i in range(len(calls[1]))],
     ]
-    group = {"tokens": tokens, "masks": masks, "scores": [0.0, 0.0], "advantages": advantages}
+    group = read_group({"tokens": tokens, "masks": masks, "scores": [0.0, 0.0], "advantages": advantages})
     targets = trained_targets(group)
 
     def logprobs():
@@ -317,7 +342,8 @@ def test_per_token_credit_moves_the_decision_and_not_the_format(tiny_model_dir):
             return token_logprobs(model, tokens, targets, 1.0)
 
     before = logprobs()
-    group["inference_logprobs"] = [[1.0] * len(prompt) + before[targets.rows == r].tolist() for r in (0, 1)]
+    group = group.model_copy(update={"inference_logprobs": [
+        [1.0] * len(prompt) + before[targets.rows == r].tolist() for r in (0, 1)]})
     settings = Settings(train=TrainConfig(lr=3e-3))
     model = make_trainable(model, settings)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -381,33 +407,34 @@ def test_groups_trained_together_take_the_same_step_as_one_by_one(tiny_model_dir
     calls = [chat.answer_ids(tool_call_text(HIT)), chat.answer_ids(tool_call_text(0))]
     scalar = _synthetic_group(chat, calls[0], chat.answer_ids("no idea"))
     prompt = chat.prompt_ids(opening_messages(Observation(16, 10, False)))
-    per_token = {
+    per_token = read_group({
         "tokens": [[*prompt, *c] for c in calls],
         "masks": [[MASKED] * len(prompt) + list(c) for c in calls],
         "scores": [0.0, 0.0],
         "advantages": [[0.0] * len(prompt) + [0.1 * (i % 3) for i in range(len(c))] for c in calls],
-    }
+    })
     work = [(g, scalar_advantages(g, True)) for g in (scalar, per_token)]
+    assert work[0][1] is not None and work[1][1] is None  # the per-token group's own advantages take precedence
     params = [p for p in model.parameters() if p.requires_grad]
 
-    def grads(groups):
+    def grads(batches):
         model.zero_grad(set_to_none=True)
-        for g, adv in groups:
-            group_loss(model, g, adv, LossConfig()).loss.backward()
+        for rows in batches:
+            group_loss(model, rows, LossConfig()).loss.backward()
         return [p.grad.clone() for p in params if p.grad is not None]
 
-    alone = grads(work)
-    together = grads([(g, None) for g in merge_groups(work, max_rows=3)])
+    alone = grads([rows_of(g, adv) for g, adv in work])
+    together = grads(merge_groups(work, max_rows=3))
     assert len(merge_groups(work, max_rows=3)) == 2  # 6 sequences, 3 per forward
     assert len(alone) == len(together) > 0
     for a, b in zip(alone, together):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     # without a KL term, tokens of zero advantage are left out: fewer trained tokens, the same step
     lean = merge_groups(work, max_rows=3, drop_zero=True)
-    trained = [sum(m != MASKED for g in merged for row in g["masks"] for m in row)
+    trained = [sum(m != MASKED for rows in merged for row in rows.masks for m in row)
                for merged in (merge_groups(work, 3), lean)]
     assert trained[1] < trained[0]
-    for a, b in zip(alone, grads([(g, None) for g in lean])):
+    for a, b in zip(alone, grads(lean)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
@@ -439,30 +466,31 @@ def test_batch_metrics_read_the_policys_call_probabilities_from_two_call_groups(
 
     player = Player(tiny_policy, tiny_policy.chat, solution, EpisodeSettings())
     config = GroupConfig(credit="step-counterfactual", group_size=0)
-    groups = [r.group.to_json() for seed in range(6) for r in deal_groups(player, seed, config)]
-    assert groups and all(len(g["tokens"]) == 2 for g in groups)
+    groups = [r.group for seed in range(6) for r in deal_groups(player, seed, config)]
+    assert groups and all(len(g.tokens) == 2 for g in groups)
     m = batch_metrics(groups)
     assert m["mean_score"] is None and m["decisions"] == 0  # nothing was sampled
-    firsts = [g["episodes"][0] for g in groups]
-    assert m["p_valid_call"] == pytest.approx(sum(f["p_valid"] for f in firsts) / len(firsts))
+    firsts = [g.episodes[0] for g in groups]
+    assert m["p_valid_call"] == pytest.approx(sum(f.p_valid for f in firsts) / len(firsts))
     for optimal, key in (("hit", "p_hit_hit_optimal"), ("stick", "p_hit_stick_optimal")):
-        mine = [f["p_call"]["hit"] for f in firsts if f["optimal"] == optimal]
+        mine = [f.p_call["hit"] for f in firsts if f.optimal == optimal]
         assert m[key] == (pytest.approx(sum(mine) / len(mine)) if mine else None)
 
 
-def _two_call_groups(policy, solution, seeds) -> list[dict]:
+def _two_call_groups(policy, solution, seeds) -> list[ScoredDataGroup]:
     player = Player(policy, policy.chat, solution, EpisodeSettings())
     config = GroupConfig(credit="step-counterfactual", group_size=0)
-    return [r.group.to_json() for seed in seeds for r in deal_groups(player, seed, config)]
+    return [r.group for seed in seeds for r in deal_groups(player, seed, config)]
 
 
 def test_balanced_actions_weigh_hit_and_stick_optimal_decisions_equally(tiny_policy, solution):
     from blackjack_rl.train.grpo import action_balance
 
     groups = _two_call_groups(tiny_policy, solution, range(12))
-    optimal = [g["episodes"][0]["optimal"] for g in groups]
+    optimal = [g.episodes[0].optimal for g in groups]
     assert optimal.count("hit") != optimal.count("stick")  # these deals are unbalanced
-    foreign = {"tokens": [[1, 2]], "masks": [[MASKED, 2]], "scores": [1.0]}  # another environment's group
+    foreign = read_group({"tokens": [[1, 2]], "masks": [[MASKED, 2]], "scores": [1.0],
+                          "episodes": [{"something": "else"}]})  # another environment's group
     weights = action_balance([*groups, foreign])
     assert weights[-1] == 1.0
     totals = {a: sum(w for w, o in zip(weights, optimal) if o == a) for a in ("hit", "stick")}
@@ -476,7 +504,7 @@ def test_balance_actions_takes_the_step_of_the_weighted_groups(tiny_model_dir, t
     from blackjack_rl.train.grpo import action_balance, weighted
 
     groups = _two_call_groups(tiny_policy, solution, range(12))
-    by_action = {a: [g for g in groups if g["episodes"][0]["optimal"] == a] for a in ("hit", "stick")}
+    by_action = {a: [g for g in groups if g.episodes[0].optimal == a] for a in ("hit", "stick")}
     groups = by_action["hit"][:3] + by_action["stick"][:1]  # three to one
     manual = [weighted(g, None, w)[0] for g, w in zip(groups, action_balance(groups))]
     assert manual != groups
@@ -501,7 +529,7 @@ def test_a_lone_answer_scored_above_a_frozen_trunk_equals_the_full_forward(tiny_
     prompt = chat.prompt_ids(opening_messages(Observation(15, 10, False)))
     call = [chat.answer_ids(tool_call_text(HIT))]
     full = asyncio.run(tiny_policy.answer_logprobs(prompt, call))
-    tiny_policy.frozen_below = 1
+    tiny_policy.sample_with(tiny_policy.model, frozen_below=1)
     split = asyncio.run(tiny_policy.answer_logprobs(prompt, call))
     assert split[0] == pytest.approx(full[0], abs=1e-4)
 
@@ -581,7 +609,7 @@ def test_a_fresh_adapter_over_a_saved_one_is_saved_as_one_exact_adapter(tiny_mod
 
 
 def test_stacked_lora_weights_sum_the_parts_exactly():
-    from blackjack_rl.policies.torch.lora_stack import stacked_config, stacked_weights
+    from blackjack_rl.model.lora_stack import stacked_config, stacked_weights
 
     torch.manual_seed(0)
     q, v = "base_model.model.model.layers.1.self_attn.q_proj", "base_model.model.model.layers.1.self_attn.v_proj"

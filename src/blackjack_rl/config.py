@@ -122,6 +122,8 @@ class PolicyConfig(_Section):
                                               "e.g. the committed docs/training/adapter)",
                              json_schema_extra={"metavar": "PATH"})
     n_ctx: int | None = Field(None, ge=256, description="llama.cpp context (default: the episode token budget)")
+    max_batch: int = Field(64, ge=1, description="hf: answers sampled in one batched forward (the turns of "
+                                                 "concurrent episodes and a group's answers batch up to it)")
     servers: list[ServerConfig] = Field(
         default_factory=list, description="an inference server of a pool (repeat for more); each conversation stays "
                                           "on one healthy server, and conversations spread over the servers by "
@@ -331,7 +333,6 @@ class TrainConfig(_Section):
     lora_rank: int = Field(16, ge=1, description="LoRA rank")
     lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha")
     train_layers: int | None = Field(None, ge=1, description="train only the top N decoder layers (cheaper backward)")
-    max_batch: int = Field(64, ge=1, description="answers sampled in one batch")
     max_train_rows: int = Field(32, ge=1, le=1024, description="sequences in one training forward (memory grows with it)")
     eval_every: int = Field(10, ge=0, description="evaluate every N steps (0: only before and after)")
     eval_episodes: int = Field(200, ge=0, description="fixed evaluation deals per evaluation (0: no evaluation)")

@@ -46,30 +46,19 @@ class EnvSettings:
             raise ValueError(f"invalid_retries must be 0 or more, got {self.invalid_retries}")
 
 
-@dataclass(slots=True)
-class Decision:
-    """One answer, scored against Q* (an expectation, never the seeded deck)."""
-
-    player_sum: int
-    dealer_card: int
-    usable_ace: bool
-    natural: bool
-    action: int | None  # None: the answer was not a valid call
-    optimal: int
-    regret: float | None  # Q*(s, optimal) - Q*(s, action); None when invalid
-    parse_error: str | None
-    text: str
-
-    def record(self) -> DecisionRecord:
-        return DecisionRecord(
-            state=[self.player_sum, self.dealer_card, int(self.usable_ace)],
-            natural=self.natural,
-            action=ACTION_NAMES.get(self.action) if self.action is not None else None,
-            optimal=ACTION_NAMES[self.optimal],
-            regret=self.regret,
-            parse_error=self.parse_error,
-            text=self.text,
-        )
+def decision(obs: Observation, natural: bool, action: int | None, optimal: int, regret: float | None,
+             parse_error: str | None, text: str) -> DecisionRecord:
+    """One answer, scored against Q* (an expectation, never the seeded deck): the record that
+    samples.jsonl writes is the one the game keeps."""
+    return DecisionRecord(
+        state=[obs.player_sum, obs.dealer_card, int(obs.usable_ace)],
+        natural=natural,
+        action=ACTION_NAMES.get(action) if action is not None else None,
+        optimal=ACTION_NAMES[optimal],
+        regret=regret,
+        parse_error=parse_error,
+        text=text,
+    )
 
 
 @dataclass
@@ -85,7 +74,7 @@ class Play:
     start_value: float | None = None  # V*(first state): what optimal play expects from this deal
     invalid_reason: str | None = None
     retries: int = 0  # invalid answers that were re-prompted instead of ending the episode
-    decisions: list[Decision] = field(default_factory=list)
+    decisions: list[DecisionRecord] = field(default_factory=list)
     player_hand: list[int] = field(default_factory=list)
     dealer_hand: list[int] = field(default_factory=list)
 
@@ -255,7 +244,7 @@ class BlackjackEnv:
             "detail": parsed.detail,
         }
         if not parsed.valid:
-            play.decisions.append(Decision(*obs, natural, None, best, None, parsed.error.value, text))
+            play.decisions.append(decision(obs, natural, None, best, None, parsed.error.value, text))
             retry_left = play.retries < self.settings.invalid_retries and self.turn < self.settings.max_turns
             if allow_retry and retry_left:
                 play.retries += 1
@@ -265,7 +254,7 @@ class BlackjackEnv:
 
         regret = self.solution.regret(obs, parsed.action, natural)
         info["regret"] = regret
-        play.decisions.append(Decision(*obs, natural, parsed.action, best, regret, None, text))
+        play.decisions.append(decision(obs, natural, parsed.action, best, regret, None, text))
         result = self.table.step(parsed.action)
         if result.terminated:
             play.status, play.reward = Status.FINISHED, result.reward

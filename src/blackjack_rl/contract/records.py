@@ -21,7 +21,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, SkipValidation, model_serializer
 
-from blackjack_rl.game.table import Rules
+from blackjack_rl.game.table import HIT, STICK, Observation, Rules
 
 
 class _Reason(StrEnum):
@@ -97,6 +97,15 @@ class DecisionRecord(Record):
     regret: float | None  # Q*(s, optimal) - Q*(s, action); None when invalid
     parse_error: str | None
     text: str
+
+    @property
+    def observation(self) -> Observation:
+        return Observation(self.state[0], self.state[1], bool(self.state[2]))
+
+    @property
+    def action_id(self) -> int | None:
+        """The action as the game numbers it (HIT, STICK); None for an invalid answer."""
+        return None if self.action is None else HIT if self.action == "hit" else STICK
 
 
 class EpisodeRecord(Record):

@@ -20,11 +20,12 @@ DEALER_CARDS = tuple(range(1, 11))
 HARD_SUMS = tuple(range(4, 22))
 SOFT_SUMS = tuple(range(12, 22))
 
-GridKey = tuple[int, int, bool]  # (player_sum, dealer_card, usable_ace), what the model is shown
+GridKey = Observation  # a chart cell is the state the model is shown
 
 # Row order of the chart: hard totals, then soft ones, each against dealer ace..10.
-GRID_STATES: tuple[GridKey, ...] = tuple(
-    [(s, d, False) for s in HARD_SUMS for d in DEALER_CARDS] + [(s, d, True) for s in SOFT_SUMS for d in DEALER_CARDS]
+GRID_STATES: tuple[Observation, ...] = tuple(
+    [Observation(s, d, False) for s in HARD_SUMS for d in DEALER_CARDS]
+    + [Observation(s, d, True) for s in SOFT_SUMS for d in DEALER_CARDS]
 )
 CARD_PROBS: tuple[tuple[int, float], ...] = tuple((c, (4 if c == 10 else 1) / 13) for c in range(1, 11))
 

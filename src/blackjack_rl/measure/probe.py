@@ -43,7 +43,7 @@ async def probe_policy(player: Player, temperature: float | None = None, calls_p
             f"{policy.name} cannot score given answers, so its strategy cannot be read without sampling "
             "(the grid needs the embedded, hf or a scripted policy)"
         )
-    t = temperature if temperature is not None else float(getattr(policy, "temperature", 1.0) or 1.0)
+    t = temperature if temperature is not None else float(policy.temperature or 1.0)
     chat = player.chat
     calls = [chat.answer_ids(tool_call_text(HIT)), chat.answer_ids(tool_call_text(STICK))]
     # The calls' shared beginning is the same factor in both probabilities: it cancels in

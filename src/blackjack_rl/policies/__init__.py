@@ -53,8 +53,7 @@ def make_policy(settings: Settings) -> BuiltPolicy:
     if p.kind == "hf":
         from blackjack_rl.policies.torch.policy import TorchPolicy  # needs the `train` extra (torch)
 
-        policy: Any = TorchPolicy.load(p.model_path, sampling=sampling, threads=p.n_threads,
-                                       max_batch=settings.evaluate.concurrency)
+        policy: Any = TorchPolicy.load(p.model_path, sampling=sampling, threads=p.n_threads, max_batch=p.max_batch)
         return BuiltPolicy(policy, policy.chat)
     if p.kind == "embedded":
         from blackjack_rl.policies.embedded import EmbeddedPolicy
@@ -114,6 +113,9 @@ def check_supported(p: PolicyConfig) -> None:
             and (p.servers or p.token_path is not None) and p.token_path != "chat":
         raise ValueError("--structured-output tool_choice forces a chat tool call, which the token-id path (vLLM "
                          "/v1/completions) cannot: use --structured-output json_schema, or --token-path chat")
+    if kind != "hf" and p.max_batch != defaults["max_batch"].default:
+        raise ValueError(f"--max-batch is how many answers the torch policy samples in one forward; --policy {kind} "
+                         "does not batch that way: drop it, or use --policy hf")
     if p.lora and kind != "embedded":
         raise ValueError("--lora applies an adapter to the embedded llama.cpp model; for --policy hf pass the "
                          "adapter folder as --model-path")

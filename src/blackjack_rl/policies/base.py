@@ -72,6 +72,8 @@ class ScoresAnswers(Protocol):
     """The model's logprob of every token of given answers, without sampling: counterfactual
     step groups and the exact strategy chart need it."""
 
+    temperature: float  # the sampling temperature: the distribution its sampled logprobs are of
+
     async def answer_logprobs(self, prompt_ids: Sequence[int], answers: Sequence[Sequence[int]],
                               temperature: float | None = None) -> list[list[float]]: ...
 

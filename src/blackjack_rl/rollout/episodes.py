@@ -15,17 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from blackjack_rl.contract.protocol import ACTION_NAMES
 from blackjack_rl.contract.records import EpisodeRecord, SampleRow, Truncation
 from blackjack_rl.contract.tokens import ChatFormat
-from blackjack_rl.env import BlackjackEnv, Decision, Play, Status, episode_scores, opening_messages
+from blackjack_rl.env import BlackjackEnv, Play, Status, episode_scores, opening_messages
 from blackjack_rl.game.solver import Solution
 from blackjack_rl.game.table import Table
 from blackjack_rl.policies.base import InferenceError, Policy, Reply
 from blackjack_rl.rollout.core import Conversation, EpisodeSettings, add_answer, without_thoughts
 
 __all__ = [
-    "Decision",
     "Episode",
     "EpisodeSettings",
     "episode_scores",
@@ -56,7 +54,7 @@ class Episode(Play, Conversation):
 
     def sample_row(self) -> SampleRow:
         """The samples.jsonl row: the metadata, every decision, the messages."""
-        return SampleRow(**self._record_fields(), decisions=[d.record() for d in self.decisions],
+        return SampleRow(**self._record_fields(), decisions=list(self.decisions),
                          messages=self.messages)
 
     def _record_fields(self) -> dict[str, Any]:
@@ -72,8 +70,8 @@ class Episode(Play, Conversation):
             invalid_reason=self.invalid_reason,
             retries=self.retries,
             error=self.error,
-            actions=[ACTION_NAMES.get(d.action) if d.action is not None else None for d in self.decisions],
-            optimal_actions=[ACTION_NAMES[d.optimal] for d in self.decisions],
+            actions=[d.action for d in self.decisions],
+            optimal_actions=[d.optimal for d in self.decisions],
             regret=sum(d.regret for d in self.decisions if d.regret is not None),
             player_hand=self.player_hand,
             dealer_hand=self.dealer_hand,

@@ -51,8 +51,8 @@ def episode_advantages(episodes: list[Episode], player: Player, scale_decisions:
         for d in ep.decisions:
             decision = 0.0
             if d.action is not None:
-                q = solution.q_values((d.player_sum, d.dealer_card, d.usable_ace), d.natural)
-                decision = decision_advantages([AnswerCredit(True, d.action)], q, None, scale_decisions)[0]
+                q = solution.q_values(d.observation, d.natural)
+                decision = decision_advantages([AnswerCredit(True, d.action_id)], q, None, scale_decisions)[0]
             row.append(AnswerAdvantage(d.text, d.action is not None, decision))
         answers.append(row)
     return token_advantages([ep.trajectory for ep in episodes], answers, formats, player.chat.backend.decode)

@@ -32,7 +32,7 @@ def train_settings(settings: Any) -> Any:
 def cmd_train(settings: Any, console: Console, argv: list[str]) -> int:
     settings = train_settings(settings)
     from blackjack_rl.rollout.players import build_player
-    from blackjack_rl.train.loop import run_training
+    from blackjack_rl.train.trainer import run_training
 
     player = build_player(settings)
     result = run_training(settings, player, argv, progress=lambda line: print(line, flush=True))

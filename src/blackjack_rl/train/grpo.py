@@ -12,14 +12,17 @@ that has not loaded the new weights) cannot move the policy far.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from blackjack_rl.policies.torch.logprobs import Targets, token_logprobs
-from blackjack_rl.contract.records import decision_record
+from blackjack_rl.config import Settings
+from blackjack_rl.contract.records import ScoredDataGroup
 from blackjack_rl.contract.tokens import MASKED
+from blackjack_rl.model.logprobs import Targets, token_logprobs
+from blackjack_rl.train.groups import decision_of
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,18 @@ class LossConfig:
     kl_coef: float = 0.0  # weight of KL(policy || initial model), k3 estimator
     temperature: float = 1.0  # the logprobs are of logits / temperature, as sampled
     scale_advantages: bool = True  # divide by the group's score std (GRPO); False: Dr. GRPO
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Sequences as the loss trains them: each with an advantage per token (a group's own
+    per-token `advantages`, or its one advantage per sequence on every token), and the logprobs
+    they were sampled with when every one of them has them."""
+
+    tokens: list[list[int]]
+    masks: list[list[int]]
+    advantages: list[list[float]]
+    inference_logprobs: list[list[float]] | None = None
 
 
 def group_advantages(scores: Sequence[float], scale: bool = True) -> list[float]:
@@ -41,10 +56,10 @@ def group_advantages(scores: Sequence[float], scale: bool = True) -> list[float]
     return [c / std if std > 1e-8 else 0.0 for c in centred]
 
 
-def trained_targets(group: Mapping[str, Any]) -> Targets:
+def trained_targets(group: ScoredDataGroup | Rows) -> Targets:
     rows, positions, tokens, old = [], [], [], []
-    inference = group.get("inference_logprobs") or None
-    for r, (seq, mask) in enumerate(zip(group["tokens"], group["masks"])):
+    inference = group.inference_logprobs or None
+    for r, (seq, mask) in enumerate(zip(group.tokens, group.masks)):
         if len(seq) != len(mask):
             raise ValueError(f"sequence {r} has {len(seq)} tokens but {len(mask)} mask entries")
         for j, m in enumerate(mask):
@@ -77,75 +92,75 @@ class GroupLoss:
 
 def group_loss(
     model: Any,
-    group: Mapping[str, Any],
-    advantages: Sequence[float] | None,
+    rows: Rows,
     config: LossConfig,
-    reference: Callable[[Sequence[Sequence[int]], Targets], torch.Tensor] | None = None,
+    reference: Callable[..., torch.Tensor] | None = None,
     *,
     first_layer: int = 0,
-    states: Mapping[tuple[int, ...], torch.Tensor] | None = None,
+    states: dict[tuple[int, ...], torch.Tensor] | None = None,
 ) -> GroupLoss:
-    """The clipped policy-gradient loss of one group (call `.backward()` on `.loss`).
+    """The clipped policy-gradient loss of some sequences (call `.backward()` on `.loss`).
 
-    `advantages` are one per sequence; None uses the group's per-token `advantages`.
     A sequence's loss is the sum over its tokens (the gradient of its logprob), so the
     token that decides is not diluted by the length of the answer around it.
 
     `reference(tokens, targets, first_layer=, states=)` gives the initial policy's logprobs for the KL term (None:
     no KL). `first_layer` and `states`: see `token_logprobs`.
     """
-    targets = trained_targets(group)
+    targets = trained_targets(rows)
     if len(targets.rows) == 0:
         raise ValueError("a group with no trained positions (all masks -100) cannot be trained on")
-    logp = token_logprobs(model, group["tokens"], targets, config.temperature, first_layer=first_layer, states=states)
+    logp = token_logprobs(model, rows.tokens, targets, config.temperature, first_layer=first_layer, states=states)
     old = targets.old_logprobs if targets.old_logprobs is not None else logp.detach()
-    if advantages is None:
-        adv = token_advantages(group, targets)
-    else:
-        adv = torch.tensor(advantages, dtype=torch.float32)[targets.rows]
+    adv = token_advantages(rows, targets)
     ratio = torch.exp(logp - old)
     clipped_ratio = ratio.clamp(1 - config.clip_eps, 1 + config.clip_eps)
     per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
     kl_value = 0.0
     if config.kl_coef > 0 and reference is not None:
         with torch.no_grad():
-            ref = reference(group["tokens"], targets, first_layer=first_layer, states=states)
+            ref = reference(rows.tokens, targets, first_layer=first_layer, states=states)
         delta = ref - logp
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + config.kl_coef * kl
         kl_value = float(kl.mean())
-    rows = len(group["tokens"])
+    n = len(rows.tokens)
     with torch.no_grad():
         clipped = float(((ratio - clipped_ratio).abs() > 1e-6).float().mean())
         gap = float((logp - old).abs().mean())
-    return GroupLoss(per_token.sum(), rows, len(targets.rows), clipped, gap, kl_value)
+    return GroupLoss(per_token.sum(), n, len(targets.rows), clipped, gap, kl_value)
 
 
-def token_advantages(group: Mapping[str, Any], targets: Targets) -> torch.Tensor:
-    """The group's own per-token `advantages` at the trained positions."""
-    table = group.get("advantages")
-    if not table:
-        raise ValueError("the group carries no per-token advantages; pass scalar advantages instead")
+def token_advantages(rows: Rows, targets: Targets) -> torch.Tensor:
+    """The per-token advantages at the trained positions."""
     values = []
     for r, j in zip(targets.rows.tolist(), targets.positions.tolist()):
-        row = table[r]
-        if len(row) != len(group["tokens"][r]):
-            raise ValueError(f"advantages of sequence {r} have {len(row)} entries for {len(group['tokens'][r])} tokens")
+        row = rows.advantages[r]
+        if len(row) != len(rows.tokens[r]):
+            raise ValueError(f"advantages of sequence {r} have {len(row)} entries for {len(rows.tokens[r])} tokens")
         values.append(float(row[j]))
     return torch.tensor(values, dtype=torch.float32)
 
 
-def scalar_advantages(group: Mapping[str, Any], scale: bool) -> list[float] | None:
+def scalar_advantages(group: ScoredDataGroup, scale: bool) -> list[float] | None:
     """One advantage per sequence (group-relative), or None when the group carries its own
     per-token `advantages`, which then take precedence."""
-    if group.get("advantages"):
+    if group.advantages:
         return None
-    return group_advantages(group["scores"], scale)
+    return group_advantages(group.scores, scale)
 
 
-def merge_groups(work: Sequence[tuple[Mapping[str, Any], list[float] | None]], max_rows: int,
-                 *, drop_zero: bool = False) -> list[dict[str, Any]]:
-    """The sequences of many groups as a few large ones, each with per-token advantages.
+def rows_of(group: ScoredDataGroup, advantages: list[float] | None) -> Rows:
+    """One group's sequences as the loss trains them: with its per-sequence `advantages` on
+    every token, or (None) with its own per-token advantages."""
+    per_token = [list(a) for a in group.advantages] if advantages is None else [
+        [a] * len(seq) for a, seq in zip(advantages, group.tokens)]
+    return Rows(group.tokens, group.masks, per_token, group.inference_logprobs or None)
+
+
+def merge_groups(work: Sequence[tuple[ScoredDataGroup, list[float] | None]], max_rows: int,
+                 *, drop_zero: bool = False) -> list[Rows]:
+    """The sequences of many groups as a few large batches, each with per-token advantages.
 
     A sequence's loss depends on its own group only through its advantages, so once those
     are computed the groups can be trained together: one forward per `max_rows` sequences,
@@ -162,9 +177,9 @@ def merge_groups(work: Sequence[tuple[Mapping[str, Any], list[float] | None]], m
     """
     rows: dict[bool, list[tuple[list[int], list[int], list[float] | None, list[float]]]] = {True: [], False: []}
     for group, adv in work:
-        inference = group.get("inference_logprobs") or None
-        for r, (seq, mask) in enumerate(zip(group["tokens"], group["masks"])):
-            per_token = list(group["advantages"][r]) if adv is None else [adv[r]] * len(seq)
+        inference = group.inference_logprobs or None
+        for r, (seq, mask) in enumerate(zip(group.tokens, group.masks)):
+            per_token = list(group.advantages[r]) if adv is None else [adv[r]] * len(seq)
             if drop_zero:
                 mask = [m if a != 0.0 else MASKED for m, a in zip(mask, per_token)]
                 if all(m == MASKED for m in mask):
@@ -175,21 +190,18 @@ def merge_groups(work: Sequence[tuple[Mapping[str, Any], list[float] | None]], m
         items.sort(key=lambda item: item[0])
         for i in range(0, len(items), max(1, max_rows)):
             chunk = items[i : i + max_rows]
-            group = {"tokens": [c[0] for c in chunk], "masks": [c[1] for c in chunk],
-                     "advantages": [c[3] for c in chunk]}
-            if has_logprobs:
-                group["inference_logprobs"] = [c[2] for c in chunk]
-            merged.append(group)
+            merged.append(Rows([c[0] for c in chunk], [c[1] for c in chunk], [c[3] for c in chunk],
+                               [c[2] for c in chunk] if has_logprobs else None))
     return merged
 
 
-def carries_signal(group: Mapping[str, Any], advantages: list[float] | None) -> bool:
+def carries_signal(group: ScoredDataGroup, advantages: list[float] | None) -> bool:
     if advantages is not None:
         return any(a != 0.0 for a in advantages)
-    return any(v != 0.0 for row, m in zip(group["advantages"], group["masks"]) for v, k in zip(row, m) if k != MASKED)
+    return any(v != 0.0 for row, m in zip(group.advantages, group.masks) for v, k in zip(row, m) if k != MASKED)
 
 
-def action_balance(groups: Sequence[Mapping[str, Any]]) -> list[float]:
+def action_balance(groups: Sequence[ScoredDataGroup]) -> list[float]:
     """A weight per group so that the batch's decisions where hitting is optimal and those where
     sticking is optimal weigh the same in total (1.0 for groups that are not decisions).
 
@@ -199,7 +211,7 @@ def action_balance(groups: Sequence[Mapping[str, Any]]) -> list[float]:
     of the states hit-optimal it went to always hitting in 5 steps; with the two classes weighed
     equally, a shared preference earns nothing and the gap between the classes grew instead.
     """
-    optimal = [d.optimal if (d := decision_record(g)) is not None else None for g in groups]
+    optimal = [d.optimal if (d := decision_of(g)) is not None else None for g in groups]
     counts = {a: optimal.count(a) for a in ("hit", "stick")}
     total = counts["hit"] + counts["stick"]
     if not counts["hit"] or not counts["stick"]:
@@ -207,11 +219,73 @@ def action_balance(groups: Sequence[Mapping[str, Any]]) -> list[float]:
     return [total / (2 * counts[a]) if a in counts else 1.0 for a in optimal]
 
 
-def weighted(group: Mapping[str, Any], advantages: list[float] | None, weight: float
-             ) -> tuple[Mapping[str, Any], list[float] | None]:
+def weighted(group: ScoredDataGroup, advantages: list[float] | None, weight: float
+             ) -> tuple[ScoredDataGroup, list[float] | None]:
     """The group and its advantages with the advantages multiplied by `weight`."""
     if weight == 1.0:
         return group, advantages
     if advantages is not None:
         return group, [weight * a for a in advantages]
-    return {**group, "advantages": [[weight * v for v in row] for row in group["advantages"]]}, None
+    return group.model_copy(update={"advantages": [[weight * v for v in row] for row in group.advantages]}), None
+
+
+def optimize(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    groups: Sequence[ScoredDataGroup],
+    loss_config: LossConfig,
+    settings: Settings,
+    reference: Callable[..., torch.Tensor] | None,
+    first_layer: int = 0,
+    states: dict[tuple[int, ...], torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """One GRPO step on a batch of groups (several when --updates-per-batch > 1).
+
+    Groups whose scores are all equal have zero advantage everywhere and are skipped: they
+    would cost a forward and backward pass for a zero gradient. The others are trained
+    together (`merge_groups`: the shared system prompt runs once per forward), and each
+    forward is backpropagated as soon as its loss is known, so memory holds one graph at a time.
+    """
+    work = []
+    weights = action_balance(groups) if settings.groups.balance_actions else [1.0] * len(groups)
+    for g, w in zip(groups, weights):
+        adv = scalar_advantages(g, loss_config.scale_advantages)
+        if carries_signal(g, adv):
+            work.append(weighted(g, adv, w))
+    stats: dict[str, Any] = {"trained_groups": len(work), "trained_sequences": sum(len(g.tokens) for g, _ in work)}
+    if not work:
+        return stats
+    t0 = time.perf_counter()
+    # The whole batch, groups without signal included: a batch whose only signal is one
+    # invalid answer then makes a small step, not a full-size one.
+    sequences = sum(len(g.tokens) for g in groups)
+    merged = merge_groups(work, settings.train.max_train_rows, drop_zero=loss_config.kl_coef == 0)
+    processed = 0
+    for _ in range(settings.train.updates_per_batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = clipped = gap = kl = 0.0
+        tokens = 0
+        for rows in merged:
+            gl = group_loss(model, rows, loss_config, reference, first_layer=first_layer, states=states)
+            (gl.loss / sequences).backward()
+            loss_sum += float(gl.loss.detach()) / sequences
+            tokens += gl.tokens
+            clipped += gl.clipped * gl.tokens
+            gap += gl.logprob_gap * gl.tokens
+            kl += gl.kl * gl.tokens
+            processed += sum(len(t) for t in rows.tokens)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.train.max_grad_norm)
+        optimizer.step()
+    seconds = time.perf_counter() - t0
+    stats.update(
+        loss=loss_sum,
+        trained_tokens=tokens,
+        clipped=clipped / tokens,
+        logprob_gap=gap / tokens,
+        kl=kl / tokens if settings.train.kl_coef > 0 else None,
+        grad_norm=float(grad_norm),
+        train_seconds=seconds,
+        train_tokens_per_s=processed / seconds if seconds > 0 else None,
+    )
+    return stats

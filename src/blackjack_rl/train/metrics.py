@@ -1,4 +1,5 @@
-"""Per-step numbers read from the groups themselves, so they mean the same in both sources.
+"""The numbers a run logs: per step, read from the groups themselves; and of the current weights,
+on the fixed evaluation deals and on the exact strategy chart.
 
 Every group carries `episodes`, one record per sequence: for whole-episode groups the
 actions taken and the optimal ones and the outcome; for step groups the one action and the
@@ -8,10 +9,21 @@ report the same way. An invalid answer counts as a wrong decision, as in `evalua
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any, Sequence
 
-from blackjack_rl.measure.evaluation import rate_ci
-from blackjack_rl.contract.records import EpisodeRecord, Metrics, Outcome, SequenceRecord, Status, StepRecord, decision_record, records_or_none
+from blackjack_rl.config import Settings
+from blackjack_rl.measure.evaluation import compute_metrics, rate_ci
+from blackjack_rl.measure.grid import evaluate_grid
+from blackjack_rl.measure.probe import probe_policy
+from blackjack_rl.rollout.players import Player
+from blackjack_rl.rollout.runner import run_evaluation
+from blackjack_rl.contract.records import (EpisodeRecord, Metrics, Outcome, ScoredDataGroup, SequenceRecord, Status,
+                                           StepRecord)
+from blackjack_rl.train.groups import decision_of, records_of
 
 
 def _sampled(record: SequenceRecord | None) -> bool:
@@ -19,8 +31,8 @@ def _sampled(record: SequenceRecord | None) -> bool:
     return not (isinstance(record, StepRecord) and record.forced)
 
 
-def batch_metrics(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    pairs = [(float(s), r) for g in groups for s, r in zip(g["scores"], records_or_none(g)) if _sampled(r)]
+def batch_metrics(groups: Sequence[ScoredDataGroup]) -> dict[str, Any]:
+    pairs = [(float(s), r) for g in groups for s, r in zip(g.scores, records_of(g)) if _sampled(r)]
     scores = [s for s, _ in pairs]
     records = [r for _, r in pairs if r is not None]
     decisions = [d for r in records for d in r.choices]
@@ -33,7 +45,7 @@ def batch_metrics(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     p_hit: dict[str, list[float]] = {"hit": [], "stick": []}
     p_valid = []
     for g in groups:
-        first = decision_record(g)
+        first = decision_of(g)
         if first is None:
             continue
         if first.p_call and first.optimal in p_hit:
@@ -71,4 +83,36 @@ def eval_summary(metrics: Metrics) -> dict[str, Any]:
         "mean_regret": metrics.mean_regret.to_json(),
         # optimal, always stick, random: exact values and win rates
         "reference": {k: v.to_json() for k, v in metrics.reference.items()},
+    }
+
+
+def evaluate_policy(player: Player, settings: Settings, step: int, out: Path) -> dict[str, Any]:
+    """The fixed evaluation deals, played by the current weights, with `evaluate`'s metrics
+    (written to OUT/eval/step_NNNN.json); the log row of their summary."""
+    t0 = time.perf_counter()
+    episodes = asyncio.run(
+        run_evaluation(player, settings.train.eval_episodes, settings.evaluate.concurrency)
+    )
+    metrics = compute_metrics(episodes, player)
+    metrics.seconds = time.perf_counter() - t0
+    (out / "eval").mkdir(parents=True, exist_ok=True)
+    (out / "eval" / f"step_{step:04d}.json").write_text(json.dumps(metrics.to_json(), indent=2) + "\n",
+                                                          encoding="utf-8")
+    return {"kind": "eval", "step": step, "summary": eval_summary(metrics), "seconds": metrics.seconds}
+
+
+def grid_metrics(player: Player, settings: Settings) -> dict[str, Any]:
+    """The exact strategy-chart numbers of the current weights (measure/grid.py), as log fields."""
+    probe = asyncio.run(probe_policy(player, settings.policy.temperature, calls_probability=False))
+    g = evaluate_grid(player.solution, probe.p_hit)
+    return {
+        "grid_accuracy": g.accuracy,
+        "grid_cell_accuracy": g.cell_accuracy,
+        "grid_value": g.value,
+        "grid_regret": g.regret,
+        "grid_p_hit_hit_optimal": g.p_hit_hit_optimal,
+        "grid_p_hit_stick_optimal": g.p_hit_stick_optimal,
+        "grid_hit_gap": g.hit_gap,
+        "grid_p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None,
+        "grid_p_hit": g.p_hit,
     }

@@ -16,14 +16,22 @@ from typing import Any, Protocol
 from blackjack_rl.api.client import TrainerClient
 from blackjack_rl.api.models import Registration
 from blackjack_rl.config import GroupConfig
+from blackjack_rl.contract.records import ScoredDataGroup
 from blackjack_rl.rollout.players import Player
 from blackjack_rl.rollout.runner import DealRunner, SeedStream, Tally
+from blackjack_rl.train.groups import read_group
 
 
 class GroupSource(Protocol):
-    def next_groups(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def next_groups(self) -> tuple[list[ScoredDataGroup], dict[str, Any]]:
         """The groups of one step, and facts about how they were obtained."""
         ...
+
+    def get_state(self) -> Any:
+        """Where the source stands, for a checkpoint (None: nothing of its own to restore)."""
+        ...
+
+    def set_state(self, state: Any) -> None: ...
 
     def close(self) -> None: ...
 
@@ -35,12 +43,12 @@ class LocalSource:
         self.deals_per_step = deals_per_step
         self.seeds = SeedStream(seed)
 
-    def next_groups(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def next_groups(self) -> tuple[list[ScoredDataGroup], dict[str, Any]]:
         deals = asyncio.run(self.runner.play_all(self.seeds.take(self.deals_per_step)))
         step = Tally()
         for deal in deals:
             step.add(deal)
-        return [r.group.to_json() for d in deals for r in d.groups if r.group is not None], {
+        return [r.group for d in deals for r in d.groups if r.group is not None], {
             "deals": step.deals,
             "dropped": step.groups_dropped,
             "episodes_failed": step.episodes_failed,
@@ -83,14 +91,22 @@ class ApiSource:
             )
         )
 
-    def next_groups(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def next_groups(self) -> tuple[list[ScoredDataGroup], dict[str, Any]]:
         try:
             batch = self.client.wait_for_batch(self.timeout_s, poll_s=0.5)
         except TimeoutError as exc:
             raise TimeoutError(
                 f"{exc}: is a `blackjack-rl serve` worker feeding the API? (raise --batch-timeout to wait longer)"
             ) from None
-        return batch.groups, {"batch_id": batch.batch_id, "api_step": batch.step, "redelivered": batch.redelivered}
+        return [read_group(g) for g in batch.groups], {"batch_id": batch.batch_id, "api_step": batch.step,
+                                                        "redelivered": batch.redelivered}
+
+    def get_state(self) -> None:
+        """None: which batch comes next is the API's to say (it redelivers what was not acknowledged)."""
+        return None
+
+    def set_state(self, state: Any) -> None:
+        pass
 
     def close(self) -> None:
         self.client.close()

@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from blackjack_rl.policies.torch import NEEDS_TORCH
+from blackjack_rl.model import NEEDS_TORCH
 
 try:
     import torch
@@ -28,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 from blackjack_rl.policies.base import InferenceError, Reply, Turn
 from blackjack_rl.policies.sampling import Sampling
 from blackjack_rl.contract.tokens import ChatFormat, HFTokenizer, common_prefix_length
-from blackjack_rl.policies.torch.model import load_model, stop_ids
+from blackjack_rl.model.io import load_model, stop_ids
 from blackjack_rl.policies.torch.sampler import sample
 
 
@@ -81,7 +82,7 @@ class TorchPolicy:
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.model = model  # the trainer may swap in a peft-wrapped model; sampling follows it
+        self.model = model  # read-only outside: the trainer swaps in the model it trains with `sample_with`
         self.tokenizer = tokenizer
         self.chat = ChatFormat.learn(tokenizer)
         self.stop = stop_ids(model, tokenizer, self.chat.end_of_turn_ids)
@@ -92,15 +93,13 @@ class TorchPolicy:
         self.pad_id = int(tokenizer.tok.pad_token_id or 0)
         self.sampled_tokens = 0  # totals, for tokens per second
         self.sampling_seconds = 0.0
-        # When set (by the trainer, while it collects a batch), the hidden states entering this
-        # layer are kept for every answer, keyed by prompt + answer ids: the frozen trunk's
-        # output, which training then need not compute again.
-        self.record_layer: int | None = None
-        self.states: dict[tuple[int, ...], torch.Tensor] = {}
-        # Set by the trainer when only the layers from here up train: scoring then caches the
-        # frozen trunk's output per scored sequence (see `_trunk_states`).
-        self.frozen_below = 0
+        # The first trained layer, when only the layers from there up train (`sample_with`):
+        # scoring then caches the frozen trunk's output per scored sequence (`_trunk_states`).
+        self._frozen_below = 0
         self._trunk_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        # While the trainer collects a batch (`recording`): the states entering `_frozen_below`
+        # of every sampled and scored sequence, keyed by its ids.
+        self._recorded: dict[tuple[int, ...], torch.Tensor] | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-sampler")
         self._pending: list[_Request] = []
         self._drainer: asyncio.Task | None = None
@@ -112,6 +111,30 @@ class TorchPolicy:
         """From a GGUF (None: the embedded SmolLM2-135M-Instruct) or a folder saved by `train`."""
         model, tokenizer = load_model(path)
         return cls(model, tokenizer, **kwargs)
+
+    # --- the trainer's side (train/trainer.py's TrainedPolicy) -----------------------------
+
+    def sample_with(self, model: Any, *, frozen_below: int = 0) -> None:
+        """Sample and score with `model` from now on: the model that learns is the model that plays.
+
+        `frozen_below`: the first layer that trains (0: all of them). The layers below it compute
+        the same states at sampling and at training time, so scoring keeps their output per
+        sequence, and `recording` hands it to the trainer."""
+        self.model = model
+        self._frozen_below = frozen_below
+        self._trunk_cache.clear()
+
+    @contextmanager
+    def recording(self) -> Iterator[dict[tuple[int, ...], torch.Tensor]]:
+        """While a batch is collected: a dict that receives the states entering the first trained
+        layer of every sequence sampled or scored meanwhile, keyed by its ids (prompt + answer),
+        so that training need not run the frozen trunk again. Stays empty when every layer trains."""
+        states: dict[tuple[int, ...], torch.Tensor] = {}
+        self._recorded = states if self._frozen_below else None
+        try:
+            yield states
+        finally:
+            self._recorded = None
 
     def generation_params(self) -> dict[str, Any]:
         return {
@@ -185,7 +208,7 @@ class TorchPolicy:
                       temperature: float) -> list[list[float]]:
         """Synchronous scoring of many (prompt, answers) at once, in one batched forward;
         the answers' logprobs are returned flattened, in order."""
-        from blackjack_rl.policies.torch.logprobs import Targets, token_logprobs
+        from blackjack_rl.model.logprobs import Targets, token_logprobs
 
         tokens, rows, positions, ids = [], [], [], []
         for prompt, answers in items:
@@ -199,13 +222,13 @@ class TorchPolicy:
         targets = Targets(torch.tensor(rows), torch.tensor(positions), torch.tensor(ids), None)
         t = temperature if temperature > 0 else 1.0
         with torch.no_grad():
-            if self.frozen_below:
+            if self._frozen_below:
                 states = self._trunk_states(tokens)
-                if self.record_layer == self.frozen_below:
+                if self._recorded is not None:
                     # scored while a batch is collected (counterfactual calls): training reads these
                     # states instead of running the frozen trunk again
-                    self.states.update(states)
-                logp = token_logprobs(self.model, tokens, targets, t, first_layer=self.frozen_below, states=states)
+                    self._recorded.update(states)
+                logp = token_logprobs(self.model, tokens, targets, t, first_layer=self._frozen_below, states=states)
             else:
                 logp = token_logprobs(self.model, tokens, targets, t)
         logp = logp.tolist()
@@ -220,8 +243,8 @@ class TorchPolicy:
         """States entering the first trained layer for each sequence, computed once: below it
         nothing trains, so scoring the same prompts again (the strategy chart at every step)
         runs only the trained layers."""
-        from blackjack_rl.policies.torch.forward import forward_rows, run_prefix
-        from blackjack_rl.policies.torch.logprobs import pack_rows
+        from blackjack_rl.model.forward import forward_rows, run_prefix
+        from blackjack_rl.model.logprobs import pack_rows
 
         if len(self._trunk_cache) > _TRUNK_CACHE_MAX:  # the chart's 560 sequences stay; one-off prompts go
             self._trunk_cache.clear()
@@ -230,9 +253,9 @@ class TorchPolicy:
             # at least one state per row is computed below (a lone sequence would otherwise be all prefix)
             p = max(0, min(common_prefix_length(todo), min(len(x) for x in todo) - 2))
             packed = pack_rows(todo, [len(x) - 1 for x in todo], p)  # the states predicting every token but the first
-            trunk = run_prefix(self.model, list(todo[0][:p]), layers=(0, self.frozen_below)) if p > 0 else None
+            trunk = run_prefix(self.model, list(todo[0][:p]), layers=(0, self._frozen_below)) if p > 0 else None
             x = forward_rows(self.model, packed.ids, packed.positions, packed.valid, trunk,
-                             layers=(0, self.frozen_below), attend=packed.attend).hidden
+                             layers=(0, self._frozen_below), attend=packed.attend).hidden
             head = trunk.output[0] if trunk is not None else x[0, :0]
             for i, seq in enumerate(todo):
                 self._trunk_cache[tuple(seq)] = torch.cat([head, packed.unpack(x, i)])
@@ -277,6 +300,8 @@ class TorchPolicy:
     def generate(self, prompts: list[Sequence[int]], seeds: list[int]) -> list[Reply]:
         """Sample one reply per prompt, synchronously (one batch)."""
         t0 = time.perf_counter()
+        recorded = self._recorded
+        record_layer = self._frozen_below if recorded is not None else None
         samples = sample(
             self.model,
             prompts,
@@ -288,11 +313,11 @@ class TorchPolicy:
             max_new_tokens=self.max_tokens,
             stop=self.stop,
             pad_id=self.pad_id,
-            record_layer=self.record_layer,
+            record_layer=record_layer,
         )
-        if self.record_layer is not None:
+        if recorded is not None:
             for prompt, s in zip(prompts, samples):
-                self.states[(*prompt, *s.ids)] = s.states
+                recorded[(*prompt, *s.ids)] = s.states
         self.sampling_seconds += time.perf_counter() - t0
         self.sampled_tokens += sum(len(s.ids) for s in samples)
         return [

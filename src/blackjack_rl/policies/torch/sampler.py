@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from blackjack_rl.contract.tokens import common_prefix_length
-from blackjack_rl.policies.torch.forward import RowCache, causal_lm, forward_rows, run_prefix
+from blackjack_rl.model.forward import Prefix, RowCache, RowsOutput, causal_lm, forward_rows, run_prefix
 
 
 @dataclass
@@ -59,20 +59,9 @@ def sample(
         raise ValueError("every prompt needs at least one token")
     lm = causal_lm(model)
     n = len(prompts)
-    p = min(common_prefix_length(prompts), min(len(x) for x in prompts) - 1)  # each row keeps >= 1 token
-    prefix = run_prefix(model, list(prompts[0][:p]), record_layer=record_layer)
-    lengths = torch.tensor([len(x) - p for x in prompts])
-    width = int(lengths.max())
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    for i, x in enumerate(prompts):
-        ids[i, : len(x) - p] = torch.tensor(list(x[p:]))
-    valid = torch.arange(width)[None] < lengths[:, None]
-    positions = p + torch.arange(width)[None].expand(n, -1)
-    cache = RowCache.allocate(model, n, width + max_new_tokens, lm.lm_head.weight.dtype)
-    first = forward_rows(model, ids, positions, valid, prefix, cache, record_layer=record_layer)
+    prefix, first, cache, lengths, next_pos = _prefill(model, prompts, max_new_tokens, pad_id, record_layer)
     logits = lm.lm_head(first.hidden[torch.arange(n), lengths - 1])
     recorded: list[list[torch.Tensor]] = [[] for _ in range(n)]  # per row, the states of fed answer tokens
-    next_pos = p + lengths
 
     rngs = [np.random.default_rng(int(s) & 0xFFFFFFFFFFFFFFFF) for s in seeds]
     out = [Sample([], [], "length") for _ in range(n)]
@@ -117,6 +106,27 @@ def sample(
         for i in range(n):
             out[i].states = torch.cat([head, first.recorded[i, : int(lengths[i])], *recorded[i]])
     return out
+
+
+def _prefill(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_id: int,
+             record_layer: int | None) -> tuple[Prefix | None, RowsOutput, RowCache, torch.Tensor, torch.Tensor]:
+    """Run the prompts: their longest common prefix once, then each row's own suffix (padded on the
+    right) into a cache with room for the answer. Returns the prefix, the suffixes' output, the
+    cache, each row's suffix length and the position of its first answer token."""
+    lm = causal_lm(model)
+    n = len(prompts)
+    p = min(common_prefix_length(prompts), min(len(x) for x in prompts) - 1)  # each row keeps >= 1 token
+    prefix = run_prefix(model, list(prompts[0][:p]), record_layer=record_layer)
+    lengths = torch.tensor([len(x) - p for x in prompts])
+    width = int(lengths.max())
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    for i, x in enumerate(prompts):
+        ids[i, : len(x) - p] = torch.tensor(list(x[p:]))
+    valid = torch.arange(width)[None] < lengths[:, None]
+    positions = p + torch.arange(width)[None].expand(n, -1)
+    cache = RowCache.allocate(model, n, width + max_new_tokens, lm.lm_head.weight.dtype)
+    first = forward_rows(model, ids, positions, valid, prefix, cache, record_layer=record_layer)
+    return prefix, first, cache, lengths, p + lengths
 
 
 def draw(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from blackjack_rl.contract.tokens import HFTokenizer, embedded_model_path
-from blackjack_rl.policies.torch.forward import causal_lm, check_architecture
-from blackjack_rl.policies.torch.base_ref import check_base, resolve_base
-from blackjack_rl.policies.torch.lora_stack import adapter_files, fold_adapter, save_lora
+from blackjack_rl.model.forward import causal_lm, check_architecture
+from blackjack_rl.model.base_ref import check_base, resolve_base
+from blackjack_rl.model.lora_stack import adapter_files, fold_adapter, save_lora
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ try:
     import torch
     import torch.nn.functional as F
 except ImportError as exc:  # pragma: no cover - depends on the install
-    from blackjack_rl.policies.torch import NEEDS_TORCH
+    from blackjack_rl.model import NEEDS_TORCH
 
     raise ImportError(NEEDS_TORCH) from exc
 

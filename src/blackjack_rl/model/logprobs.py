@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from blackjack_rl.contract.tokens import common_prefix_length
-from blackjack_rl.policies.torch.forward import causal_lm, forward_rows, run_prefix
+from blackjack_rl.model.forward import causal_lm, forward_rows, run_prefix
 
 MAX_BRANCHES = 32  # sequences packed into one row: its attention mask grows with the square of its width
 

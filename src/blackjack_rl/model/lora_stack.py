@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .base_ref import CONFIG, FIELD, check_base, lora_config, write_base_reference
+from blackjack_rl.model.base_ref import CONFIG, FIELD, check_base, lora_config, write_base_reference
 
 WEIGHTS = "adapter_model.safetensors"
 
