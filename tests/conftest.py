@@ -77,3 +77,24 @@ def ray_cluster():
 
     with running_cluster() as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, gguf_path):
+    """A 2-layer llama with random weights and SmolLM2's vocabulary, large enough at init that its
+    logits differ: the trainer's tests train it in seconds (needs the train extra)."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from blackjack_rl.model.io import build_hf_tokenizer as save_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+        pad_token_id=2, initializer_range=0.3,
+    )
+    LlamaForCausalLM(config).save_pretrained(out)
+    save_tokenizer(gguf_path, out)
+    return out

@@ -159,26 +159,6 @@ torch_needed = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, gguf_path) -> Path:
-    """A 2-layer llama with random weights and SmolLM2's vocabulary (tests/test_train.py's)."""
-    torch = pytest.importorskip("torch")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from blackjack_rl.model.io import build_hf_tokenizer
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
-        pad_token_id=2, initializer_range=0.3,
-    )
-    LlamaForCausalLM(config).save_pretrained(out)
-    build_hf_tokenizer(gguf_path, out)
-    return out
-
-
 TRAIN = ["--steps", "1", "--deals-per-step", "2", "--group-size", "0", "--credit", "step-counterfactual",
          "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "0", "--save-every", "1", "--threads", "1",
          "--lr", "1e-2", "--lora", "--lora-rank", "4"]

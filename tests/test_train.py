@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import pytest
 
@@ -31,23 +30,6 @@ from blackjack_rl.train.trainer import make_trainable  # noqa: E402
 from blackjack_rl.policies.torch.policy import TorchPolicy  # noqa: E402
 from blackjack_rl.policies.sampling import Sampling  # noqa: E402
 from helpers import ServerProcess, deal_groups, run_cli  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, gguf_path) -> Path:
-    """A 2-layer llama with random weights, large enough at init that its logits differ."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
-        pad_token_id=2, initializer_range=0.3,
-    )
-    LlamaForCausalLM(config).save_pretrained(out)
-    build_hf_tokenizer(gguf_path, out)
-    return out
 
 
 @pytest.fixture()
