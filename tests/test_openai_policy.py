@@ -157,7 +157,7 @@ def _played(answer, via, chat, solution):
 def test_content_parts_and_native_calls_are_read_as_text(name, via, vocab_chat, solution):
     ep = _played(chat_answer(READABLE[name]), via, vocab_chat, solution)
     assert not ep.failed, ep.error
-    assert ep.decisions[0].action == HIT
+    assert ep.decisions[0].action == "hit"
     assert all(isinstance(m["content"], str) for m in ep.messages)
 
 
@@ -168,7 +168,7 @@ def test_lone_surrogates_in_an_answer_are_replaced_not_a_crash(via, vocab_chat, 
     if ep.failed:  # orjson, when installed, refuses the escape for the pool: a reason, not a crash
         assert via == "pool" and "invalid JSON" in ep.error
     else:
-        assert ep.decisions[0].action == HIT
+        assert ep.decisions[0].action == "hit"
         assert ep.messages[2]["content"] == "\ufffd" + CALL + "\ufffd"
 
 

@@ -64,7 +64,7 @@ def test_structured_output_reaches_the_server_and_is_reported(mode, solution, vo
     for body in seen:
         for key, value in structured_output_fields(mode).items():
             assert body[key] == value
-    assert seen and ep.status == "finished" and ep.decisions[0].action == 0
+    assert seen and ep.status == "finished" and ep.decisions[0].action == "stick"
     params = policy.generation_params()
     assert params["constrained"] and params["structured_output"] == mode
     assert decoding_mode(params)["kind"] == "constrained"
