@@ -29,6 +29,7 @@ from blackjack_rl.contract.records import (
     Truncation,
     sequence_records,
 )
+from blackjack_rl.train.groups import read_group
 from blackjack_rl.train.metrics import batch_metrics
 
 
@@ -105,10 +106,11 @@ def test_emitted_groups_pass_the_api_validation_unchanged(vocab_chat, solution):
 def test_trainer_metrics_read_both_kinds_of_group_from_their_json(vocab_chat, solution):
     player = Player(OptimalBot(solution), vocab_chat, solution)
     for by in ("episode", "step"):
-        m = batch_metrics([g.to_json() for g in _groups(player, by, seeds=range(4))])
+        m = batch_metrics([read_group(g.to_json()) for g in _groups(player, by, seeds=range(4))])
         assert m["decision_accuracy"] == 1.0 and m["valid_call_rate"] == 1.0
         assert (m["win_rate"] is None) == (by == "step")  # step groups score decisions, not games
-    foreign = batch_metrics([{"tokens": [[1], [2]], "scores": [1.0, 0.0], "episodes": [{"x": 1}, {"x": 2}]}])
+    foreign = batch_metrics([read_group({"tokens": [[1], [2]], "masks": [[1], [2]], "scores": [1.0, 0.0],
+                                         "episodes": [{"x": 1}, {"x": 2}]})])
     assert foreign["sequences"] == 2 and foreign["decisions"] == 0
 
 
