@@ -247,8 +247,10 @@ def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir,
 
 
 def test_train_rejects_other_policies(tmp_path):
-    run = run_cli("train", "--policy", "random", "--out", str(tmp_path), cwd=tmp_path)
-    assert run.returncode == 2 and "drop --policy" in run.stderr
+    """--policy is no flag of train (tests/test_recipes.py); a settings file cannot pick another player either."""
+    (tmp_path / "bot.yaml").write_text("policy: {kind: random}\n")
+    run = run_cli("train", "--config", str(tmp_path / "bot.yaml"), "--out", str(tmp_path), cwd=tmp_path)
+    assert run.returncode == 2 and "samples with its own torch model" in run.stderr
 
 
 def test_the_torch_batch_size_is_its_own_setting(tiny_model_dir):

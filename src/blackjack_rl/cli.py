@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from blackjack_rl.cli_options import Option, Parser, add_options, given, options_of, select, subcommands, validation_error
 from blackjack_rl.cluster import ClusterError
+from blackjack_rl.train.cli import TRAIN_SETTINGS, refusal
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -39,12 +40,10 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "evaluate": (*PLAY, "evaluate", *SHARDS),
     "grid": PLAY,
     "serve": (*PLAY, "groups", "serve", "ray.address", "ray.workers", "ray.cpus", "ray.max_restarts"),
-    "train": (*PLAY, "groups", "train"),
+    "train": TRAIN_SETTINGS,
 }
-# `train --lora` trains LoRA adapters (train.lora), where the other commands' --lora applies one
-# and balancing decisions weighs the trainer's batches, which no other command has
-WITHOUT: dict[str, tuple[str, ...]] = {"train": ("policy.lora",), "process": ("groups.balance_actions",),
-                                       "serve": ("groups.balance_actions",)}
+# balancing decisions weighs the trainer's batches, which process and serve do not have
+WITHOUT: dict[str, tuple[str, ...]] = {"process": ("groups.balance_actions",), "serve": ("groups.balance_actions",)}
 
 
 def _add_settings(p: argparse.ArgumentParser, command: str) -> None:
@@ -262,7 +261,24 @@ def _serve_on_ray(settings, args: argparse.Namespace, console: Console) -> int:
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from blackjack_rl.train.cli import cmd_train
 
-    return cmd_train(settings_from_args(args), console, sys.argv[1:])
+    if args.recipe is not None and args.config is not None:
+        raise ValueError("--config: a recipe holds every setting of its phases; pass a recipe file to --recipe instead")
+    return cmd_train(settings_from_args(args), console, sys.argv[1:], given(args), recipe=args.recipe,
+                     dry_run=args.dry_run, quiet=args.quiet)
+
+
+def _unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> str:
+    """Why a flag is not this command's: the reason train gives, or the commands that take it."""
+    flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("--")]
+    for flag in flags:
+        reason = refusal(flag) if command == "train" else None
+        if reason:
+            return reason
+        others = [name for name, sub in subcommands(parser).items()
+                  if name != command and flag in sub._option_string_actions]
+        if others:
+            return f"{flag} is an option of {', '.join(others)}, not of {command}"
+    return f"unrecognized arguments: {' '.join(unknown)}"
 
 
 def user_error(exc: BaseException, options: tuple[Option, ...] = ()) -> str:
@@ -292,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
         args, unknown = parser.parse_known_args(argv)
         if unknown:  # named by the subcommand, whose --help lists what it takes
-            subcommands(parser)[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+            subcommands(parser)[args.command].error(_unknown(parser, args.command, unknown))
         options = options_of(args)
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                             format="%(levelname)s %(name)s: %(message)s")

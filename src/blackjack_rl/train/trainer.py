@@ -82,7 +82,7 @@ class TrainResult:
     model_dir: Path | None = None
     adapter_dir: Path | None = None  # LoRA runs: the adapter alone, a few MB
     plot: Path | None = None
-    stopped: str = "steps"  # "steps" or "time"
+    stopped: str = "steps"  # "steps", "time", or the stop rule that ended it
 
 
 def make_trainable(model: Any, settings: Settings) -> Any:
@@ -362,8 +362,10 @@ def run_training(
     player: Player,
     argv: list[str] | None = None,
     progress: Callable[[str], None] = print,
+    stop: Callable[[dict[str, Any]], str | None] | None = None,
 ) -> TrainResult:
-    """Train `player.policy` (a TorchPolicy) in place, as `settings.train` says."""
+    """Train `player.policy` (a TorchPolicy) in place, as `settings.train` says. `stop` may end
+    the run after a step: it is given the step's row and returns why it stops, or None."""
     t = settings.train
     trainer = Trainer(settings, player, progress)
     try:
@@ -375,6 +377,11 @@ def run_training(
         for step in range(first, t.steps + 1):
             row = trainer.step(step)
             if trainer.out_of_time(row):
+                break
+            reason = stop(row) if stop is not None else None
+            if reason is not None:
+                trainer.result.stopped = reason
+                progress(f"stopping after step {step}: {reason}")
                 break
             if t.eval_every and step % t.eval_every == 0 and step < t.steps:
                 trainer.evaluate(step)
