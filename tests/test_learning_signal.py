@@ -408,27 +408,3 @@ def test_evaluate_grid_puts_the_chart_in_metrics_and_report(tmp_path):
     assert "Exact strategy" in (tmp_path / "e" / "report.html").read_text()
 
 
-@pytest.mark.embedded
-@pytest.mark.slow
-def test_the_committed_adapter_plays_better_than_the_untrained_model(tmp_path):
-    """docs/training/three-phase/adapter (the run the README shows), played by llama.cpp exactly as it says."""
-    import json
-    from pathlib import Path
-
-    adapter = Path(__file__).resolve().parents[1] / "docs" / "training" / "three-phase" / "adapter" / "adapter.gguf"
-    assert adapter.is_file()
-    results = {}
-    for name, extra in (("base", []), ("trained", ["--lora", str(adapter)])):
-        out = tmp_path / name
-        run_ = run_cli("evaluate", "--episodes", "40", "--max-tokens", "40", "--threads", "1", "--quiet", *extra,
-                    "--out", str(out), cwd=tmp_path)
-        assert run_.returncode == 0, run_.stdout + run_.stderr
-        results[name] = json.loads((out / "metrics.json").read_text())
-    assert results["trained"]["policy"]["lora"] == str(adapter)
-    assert results["trained"]["valid_decisions"] > results["base"]["valid_decisions"] + 5
-    # it plays the game, not only the format: a format-only adapter decided 50-55% of its decisions optimally
-    # (docs/training), this one 84% on 1,000 deals
-    assert results["trained"]["decision_accuracy"]["rate"] > 0.65
-    cmp = run_cli("compare", str(tmp_path / "base"), str(tmp_path / "trained"), "--out", str(tmp_path / "cmp"), cwd=tmp_path)
-    assert cmp.returncode == 0, cmp.stdout + cmp.stderr
-    assert (tmp_path / "cmp" / "compare.html").is_file()

@@ -121,7 +121,7 @@ def test_a_two_phase_recipe_runs_end_to_end_on_the_embedded_model(tmp_path):
     out = tmp_path / "run"
     assert "[1/2 first, steps 1-1 of 2]" in run.stdout and "[2/2 second, steps 2-2 of 2]" in run.stdout
     second = json.loads((out / "02-second" / "settings.json").read_text())
-    assert second["train"]["base_adapter"] == "01-first/adapter" and second["seed"] == 3
+    assert second["train"]["base_adapter"] == "run/01-first/adapter" and second["seed"] == 3
     assert json.loads((out / "02-second" / "phase.json").read_text())["steps"] == 1
     report = json.loads((out / "report.json").read_text())
     assert report["signal"] == "solver"

@@ -182,18 +182,48 @@ def _cmd_process(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
-    from blackjack_rl.jobs.evaluate import run_evaluate
     from blackjack_rl.report.console import print_metrics
 
     settings = settings_from_args(args)
-    with _shards(settings) as shards:
-        metrics = _with_player(settings, lambda player: run_evaluate(settings, player, progress=not args.quiet,
-                                                                     play=shards and shards.evaluate))
+    if settings.evaluate.versus_base:
+        return _versus_base(settings, args, console)
+    metrics = _evaluate(settings, args)
     print_metrics(metrics, console)
     console.print(f"Metrics in [bold]{settings.out}/metrics.json[/bold]"
                   + (f", every episode in [bold]{settings.out}/samples.jsonl[/bold]" if settings.evaluate.samples else "")
                   + f"; the report is [bold]{settings.out}/report.html[/bold]")
     return 0 if metrics.episodes_failed == 0 else 3
+
+
+def _evaluate(settings, args: argparse.Namespace):
+    from blackjack_rl.jobs.evaluate import run_evaluate
+
+    with _shards(settings) as shards:
+        return _with_player(settings, lambda player: run_evaluate(settings, player, progress=not args.quiet,
+                                                                  play=shards and shards.evaluate))
+
+
+def _versus_base(settings, args: argparse.Namespace, console: Console) -> int:
+    """The adapter and its base model on the same fixed deals, live, then paired deal by deal."""
+    from pathlib import Path
+
+    from blackjack_rl.jobs.compare import run_compare
+    from blackjack_rl.report.console import print_comparison
+
+    if not settings.policy.lora:
+        raise ValueError("--versus-base compares a model with an adapter against the model alone: add --lora "
+                         "NAME_OR_PATH (e.g. --lora three-phase)")
+    out = Path(settings.out)
+    runs = {"base": settings.policy.model_copy(update={"lora": None}), "adapter": settings.policy}
+    failed = 0
+    for name, policy in runs.items():
+        played = settings.model_copy(update={"out": out / name, "policy": policy})
+        failed += _evaluate(played, args).episodes_failed
+    compared = run_compare([str(out / "base"), str(out / "adapter")], out)
+    print_comparison(compared.runs, compared.comparisons, console)
+    console.print(f"Each run in [bold]{out}/base[/bold] and [bold]{out}/adapter[/bold] (metrics.json, report.html); "
+                  f"side by side in [bold]{compared.page}[/bold]")
+    return 0 if failed == 0 else 3
 
 
 def _cmd_grid(args: argparse.Namespace, console: Console) -> int:

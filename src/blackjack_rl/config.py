@@ -117,10 +117,10 @@ class PolicyConfig(_Section):
     n_threads: int | None = Field(None, ge=1, description="llama.cpp threads (default: one per core that other "
                                                           "processes leave free, revisited as the load changes)",
                                   json_schema_extra={"flag": "--threads", "metavar": "N"})
-    lora: str | None = Field(None, description="embedded: a LoRA adapter llama.cpp applies to the GGUF (a .gguf "
-                                              "adapter, or a folder saved by `train --lora`, converted on load; "
-                                              "e.g. the committed docs/training/adapter)",
-                             json_schema_extra={"metavar": "PATH"})
+    lora: str | None = Field(None, description="embedded: a LoRA adapter llama.cpp applies to the GGUF: a shipped "
+                                              "one by name (three-phase: the trained model), a .gguf adapter, or a "
+                                              "folder saved by `train --lora` (converted on load)",
+                             json_schema_extra={"metavar": "NAME_OR_PATH"})
     n_ctx: int | None = Field(None, ge=256, description="llama.cpp context (default: the episode token budget)")
     max_batch: int = Field(64, ge=1, description="hf: answers sampled in one batched forward (the turns of "
                                                  "concurrent episodes and a group's answers batch up to it)")
@@ -256,6 +256,9 @@ class EvalConfig(_Section):
     episodes: int = Field(1000, ge=1, description="evaluation deals")
     concurrency: int = Field(64, ge=1, description="episodes played at once")
     samples: bool = Field(True, description="write every episode to samples.jsonl")
+    versus_base: bool = Field(False, description="with --lora: also play the same deals with the base model alone, "
+                                                 "and print both side by side with their paired differences "
+                                                 "(OUT/base/, OUT/adapter/, OUT/compare.html)")
     grid: bool = Field(False, description="also the exact strategy chart: P(hit) in all 280 states from the policy's "
                                           "probabilities, its exact expected return, accuracy and regret (embedded, hf "
                                           "and bots; in metrics.json and report.html)")

@@ -52,18 +52,21 @@ def make_policy(settings: Settings) -> BuiltPolicy:
     sampling = sampling_of(settings)
     if p.kind == "hf":
         from blackjack_rl.policies.torch.policy import TorchPolicy  # needs the `train` extra (torch)
+        from blackjack_rl.trained import model_folder
 
-        policy: Any = TorchPolicy.load(p.model_path, sampling=sampling, threads=p.n_threads, max_batch=p.max_batch)
+        policy: Any = TorchPolicy.load(model_folder(p.model_path), sampling=sampling, threads=p.n_threads, max_batch=p.max_batch)
         return BuiltPolicy(policy, policy.chat)
     if p.kind == "embedded":
         from blackjack_rl.policies.embedded import EmbeddedPolicy
+        from blackjack_rl.trained import lora_file
 
         policy = EmbeddedPolicy(
             p.model_path,
             sampling=sampling,
             n_ctx=p.n_ctx or settings.episode.max_token_length,
             n_threads=p.n_threads,
-            lora_path=p.lora,
+            lora_path=lora_file(p.lora) if p.lora else None,
+            lora_name=p.lora,
             constrained=p.constrained,
         )
         return BuiltPolicy(policy, policy.chat)

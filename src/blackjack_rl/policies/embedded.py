@@ -50,6 +50,7 @@ class EmbeddedPolicy:
         n_threads: int | None = None,
         constrained: bool = False,
         lora_path: str | Path | None = None,
+        lora_name: str | None = None,
         parallel: int = PARALLEL,
     ) -> None:
         self.model_path = Path(model_path) if model_path else embedded_model_path()
@@ -67,8 +68,9 @@ class EmbeddedPolicy:
             logits_all=True,  # logprobs of sampled tokens need the logits of every position
             verbose=False,
         )
-        self.lora = Path(lora_path) if lora_path else None
-        self.name = self.model_path.stem + (f"+{self.lora.name}" if self.lora else "")
+        # the adapter as the user named it (a path, or a shipped adapter's name): runs record it
+        self.lora = (lora_name or str(lora_path)) if lora_path else None
+        self.name = self.model_path.stem + (f"+{Path(self.lora).name}" if self.lora else "")
         self.tokenizer = LlamaCppTokenizer(self.llama, self.model_path.name)
         self.chat = ChatFormat.learn(self.tokenizer)
         self._pieces: dict[int, str] = {}
@@ -96,7 +98,7 @@ class EmbeddedPolicy:
         return {
             "policy": "embedded",
             "model": self.model_path.name,
-            "lora": str(self.lora) if self.lora else None,
+            "lora": self.lora,
             "temperature": self.temperature,
             "top_p": self.sampling.top_p,
             "top_k": self.sampling.top_k,

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from blackjack_rl.outputs import prepare_folder, write_text
 from blackjack_rl.measure.compare import QUANTITIES, Comparison, Run, verdict
 from blackjack_rl.report import plots
-from blackjack_rl.report.modes import decoding_mode
+from blackjack_rl.report.modes import decoding_mode, policy_name
 
 HEADLINE = ("outcome", "expected")  # the quantities the verdicts and the plot are about
 
@@ -44,7 +44,7 @@ def comparison_context(runs: Sequence[Run], comparisons: Sequence[Comparison]) -
     for r in runs:
         params = r.metrics.policy
         rows.append({"name": r.name, "m": r.metrics, "mode": decoding_mode(params),
-                     "policy": params.get("model") or params.get("policy")})
+                     "policy": policy_name(params)})
     blocks = []
     for c in comparisons:
         diffs = []

@@ -71,8 +71,10 @@ def _mean(r: MeanCI, fmt: str = "+.4f") -> str:
 
 
 def print_metrics(m: Metrics, console: Console) -> None:
+    from blackjack_rl.report.modes import policy_name
+
     policy = m.policy
-    name = policy.get("model") or policy.get("policy")
+    name = policy_name(policy)
     mode = ""
     if policy.get("constrained"):
         server_mode = policy.get("structured_output")
@@ -113,14 +115,14 @@ def print_comparison(runs: list[Any], comparisons: list[Any], console: Console) 
 
     from blackjack_rl.measure.compare import QUANTITIES, verdict
     from blackjack_rl.report.comparison import HEADLINE
-    from blackjack_rl.report.modes import short_mode
+    from blackjack_rl.report.modes import policy_name, short_mode
 
     t = RichTable(title="Evaluation runs")
-    for col in ("run", "decoding", "deals", "mean reward (95% CI)", "win", "invalid", "accuracy"):
-        t.add_column(col, justify="left" if col in ("run", "decoding") else "right")
+    for col in ("run", "policy", "decoding", "deals", "mean reward (95% CI)", "win", "invalid", "accuracy"):
+        t.add_column(col, justify="left" if col in ("run", "policy", "decoding") else "right")
     for r in runs:
         m = r.metrics
-        t.add_row(r.name, short_mode(m.policy), str(m.episodes), _mean(m.mean_reward),
+        t.add_row(r.name, escape(policy_name(m.policy)), short_mode(m.policy), str(m.episodes), _mean(m.mean_reward),
                   _pct(m.win).split()[0], _pct(m.invalid).split()[0], _pct(m.decision_accuracy).split()[0])
     console.print(t)
     quantities = {q.key: q for q in QUANTITIES}

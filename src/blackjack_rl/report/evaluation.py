@@ -18,15 +18,14 @@ from blackjack_rl.game.solver import Solution, solve
 from blackjack_rl.report import plots
 from blackjack_rl.report.episodes import compact, invalid_examples, sample
 from blackjack_rl.report.html import accuracy_colour, cost_colour, environment, hit_colour
-from blackjack_rl.report.modes import decoding_mode
+from blackjack_rl.report.modes import decoding_mode, policy_name
 from blackjack_rl.report.strategy import chart, costliest, state_stats
 
 EPISODE_SAMPLE = 400
 
 
 def run_name(metrics: Metrics) -> str:
-    policy = metrics.policy
-    return str(policy.get("model") or policy.get("policy") or "unknown policy")
+    return policy_name(metrics.policy)
 
 
 def reading(metrics: Metrics) -> str:

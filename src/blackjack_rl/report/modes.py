@@ -10,6 +10,12 @@ from blackjack_rl.policies.structured import MODE_TEXT
 SCRIPTED = ("optimal", "random", "always_stick", "")  # bots name themselves; threshold bots "threshold-N"
 
 
+def policy_name(params: dict[str, Any]) -> str:
+    """Who played, as every table and page titles it: the model, and the adapter it played with."""
+    name = str(params.get("model") or params.get("policy") or "unknown policy")
+    return f"{name} + LoRA {params['lora']}" if params.get("lora") else name
+
+
 def decoding_mode(params: dict[str, Any]) -> dict[str, str]:
     """{"kind": "constrained" | "unconstrained" | "scripted", "text": ...} for a run's generation_params."""
     policy = str(params.get("policy") or "")
