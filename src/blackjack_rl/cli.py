@@ -196,34 +196,31 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _evaluate(settings, args: argparse.Namespace):
-    from blackjack_rl.jobs.evaluate import run_evaluate
+    from blackjack_rl.jobs.evaluate import evaluate_settings
 
     with _shards(settings) as shards:
-        return _with_player(settings, lambda player: run_evaluate(settings, player, progress=not args.quiet,
-                                                                  play=shards and shards.evaluate))
+        return evaluate_settings(settings, progress=not args.quiet, play=shards and shards.evaluate)
 
 
 def _versus_base(settings, args: argparse.Namespace, console: Console) -> int:
     """The adapter and its base model on the same fixed deals, live, then paired deal by deal."""
     from pathlib import Path
 
-    from blackjack_rl.jobs.compare import run_compare
+    from blackjack_rl.jobs.compare import run_versus
     from blackjack_rl.report.console import print_comparison
 
     if not settings.policy.lora:
         raise ValueError("--versus-base compares a model with an adapter against the model alone: add --lora "
                          "NAME_OR_PATH (e.g. --lora three-phase)")
     out = Path(settings.out)
-    runs = {"base": settings.policy.model_copy(update={"lora": None}), "adapter": settings.policy}
-    failed = 0
-    for name, policy in runs.items():
-        played = settings.model_copy(update={"out": out / name, "policy": policy})
-        failed += _evaluate(played, args).episodes_failed
-    compared = run_compare([str(out / "base"), str(out / "adapter")], out)
+    base = settings.model_copy(update={"out": out / "base", "policy": settings.policy.model_copy(update={"lora": None})})
+    adapter = settings.model_copy(update={"out": out / "adapter"})
+    failed = []
+    compared = run_versus([base, adapter], out, lambda s: failed.append(_evaluate(s, args).episodes_failed))
     print_comparison(compared.runs, compared.comparisons, console)
     console.print(f"Each run in [bold]{out}/base[/bold] and [bold]{out}/adapter[/bold] (metrics.json, report.html); "
                   f"side by side in [bold]{compared.page}[/bold]")
-    return 0 if failed == 0 else 3
+    return 0 if not any(failed) else 3
 
 
 def _cmd_grid(args: argparse.Namespace, console: Console) -> int:

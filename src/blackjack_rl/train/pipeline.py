@@ -16,7 +16,6 @@ random state, so the next step is the one the whole run would have taken.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 from dataclasses import dataclass
@@ -167,38 +166,21 @@ def evaluation_settings(first: Settings, out: Path, trained: Path | None, episod
     })
 
 
-def evaluate_model(settings: Settings, quiet: bool) -> Any:
-    from blackjack_rl.jobs.evaluate import run_evaluate
-    from blackjack_rl.rollout.players import build_player
-
-    player = build_player(settings)
-
-    async def main() -> Any:
-        try:
-            return await run_evaluate(settings, player, progress=not quiet)
-        finally:
-            await player.policy.aclose()
-
-    return asyncio.run(main())
-
-
 def report(run: RecipeRun, last: Path, quiet: bool, console: Any) -> Path:
     """The starting model and the trained one on the same fixed deals, paired; report.json last."""
-    from blackjack_rl.jobs.compare import run_compare
-    from blackjack_rl.report.console import print_comparison, print_metrics
+    from blackjack_rl.jobs.compare import run_versus
+    from blackjack_rl.jobs.evaluate import evaluate_settings
+    from blackjack_rl.report.console import print_comparison
 
-    first = run.phase(0, None)
-    r = run.recipe.report
-    folders = {"before": run.out / "report" / "before", "after": run.out / "report" / "after"}
-    summary: dict[str, Any] = {"recipe": run.recipe.name, "version": run.recipe.version, "signal": run.recipe.signal,
-                               "seed": run.seed}
-    for name, folder in folders.items():
-        settings = evaluation_settings(first, folder, last if name == "after" else None, r.episodes, r.grid)
-        metrics = evaluate_model(settings, quiet)
-        print_metrics(metrics, console)
-        summary[name] = {"folder": f"report/{name}", "policy": metrics.policy}
-    compared = run_compare([str(folders["before"]), str(folders["after"])], run.out / "report" / "compare")
+    first, r = run.phase(0, None), run.recipe.report
+    runs = [evaluation_settings(first, run.out / "report" / name, last if name == "after" else None, r.episodes,
+                                r.grid) for name in ("before", "after")]
+    played: dict[str, Any] = {}
+    compared = run_versus(runs, run.out / "report" / "compare",
+                          lambda s: played.setdefault(Path(s.out).name, evaluate_settings(s, progress=not quiet)))
     print_comparison(compared.runs, compared.comparisons, console)
-    summary["compare"] = "report/compare/compare.json"
+    summary = {"recipe": run.recipe.name, "version": run.recipe.version, "signal": run.recipe.signal, "seed": run.seed,
+               **{name: {"folder": f"report/{name}", "policy": m.policy} for name, m in played.items()},
+               "compare": "report/compare/compare.json"}
     write_text(run.out / REPORT, json.dumps(summary, indent=2) + "\n")
     return compared.page
