@@ -174,3 +174,31 @@ def test_a_killed_recipe_resumes_and_takes_the_same_next_step(tiny_model_dir, tm
 
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
     assert (cut / "report.json").is_file()
+
+
+def test_every_option_of_another_command_is_refused_by_train_in_one_line(capsys):
+    """`train --help` lists only what acts on training: each flag the other commands take and train
+    does not is an error naming that flag, never silently ignored."""
+    from blackjack_rl import cli
+    from blackjack_rl.cli_options import subcommands
+
+    parser = cli.build_parser()
+    commands = subcommands(parser)
+    ours = set(commands["train"]._option_string_actions)
+    theirs = {flag: action for name, sub in commands.items() if name not in ("train", "api")
+              for flag, action in sub._option_string_actions.items() if flag.startswith("--") and flag not in ours}
+    assert {"--base-url", "--constrained", "--threshold", "--n-ctx", "--server", "--episodes"} <= set(theirs)
+    for flag, action in sorted(theirs.items()):
+        argv = ["train", flag] + ([] if action.nargs == 0 else ["1"]) + ["--dry-run"]
+        with pytest.raises(SystemExit) as stop:
+            cli.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and flag in err and len(err.splitlines()) == 1, (flag, err)
+
+
+def test_dry_run_of_a_plain_run_prints_its_settings_and_writes_nothing(tmp_path):
+    run = run_cli("train", "--lr", "0.25", "--lora", "--dry-run", "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    shown = json.loads(run.stdout)
+    assert shown["train"]["lr"] == 0.25 and shown["train"]["lora"] is True and shown["policy"]["kind"] == "hf"
+    assert not (tmp_path / "o").exists()

@@ -32,7 +32,12 @@ from pydantic_core import PydanticUndefined
 
 class Parser(argparse.ArgumentParser):
     """A parser whose usage errors are one line: the usage of a command with fifty flags would bury
-    the message. `--help` still shows it all."""
+    the message. `--help` still shows it all. No abbreviations: `train --model X` must not quietly
+    mean `--model-path X`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
