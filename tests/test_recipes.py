@@ -202,3 +202,22 @@ def test_dry_run_of_a_plain_run_prints_its_settings_and_writes_nothing(tmp_path)
     shown = json.loads(run.stdout)
     assert shown["train"]["lr"] == 0.25 and shown["train"]["lora"] is True and shown["policy"]["kind"] == "hf"
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow  # torch training
+def test_a_stop_rule_ends_its_phase_at_the_first_chart_that_meets_it(tiny_model_dir, tmp_path):
+    recipe = yaml.safe_load(_small_recipe(tmp_path / "r.yaml", str(tiny_model_dir), 1, 2).read_text())
+    recipe["phases"][0].update({"steps": 4, "stop_when": {"metric": "grid_value", "at_least": -10.0},
+                                "settings": {"train": {"grid_every": 2}}})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    run = run_cli("train", "--recipe", str(tmp_path / "r.yaml"), "--threads", "1", "--out", str(tmp_path / "run"),
+                  cwd=tmp_path, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    done = json.loads((tmp_path / "run" / "01-first" / "phase.json").read_text())
+    assert done["steps"] == 2 and done["stopped"].startswith("stop_when grid_value")
+    assert (tmp_path / "run" / "report.json").is_file()
+
+    recipe["phases"][0]["settings"] = {"train": {"grid_every": 0}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    bad = run_cli("train", "--recipe", str(tmp_path / "r.yaml"), "--dry-run", cwd=tmp_path)
+    assert bad.returncode == 2 and "grid_every 0" in bad.stderr

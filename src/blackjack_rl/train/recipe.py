@@ -158,8 +158,11 @@ def parse_recipe(text: str, source: str = "recipe") -> Recipe:
         where = ".".join(str(p) for p in first["loc"])
         raise ValueError(f"{source}: {where + ': ' if where else ''}{first['msg']}") from None
     _only_training_options(recipe)
-    for i in range(len(recipe.phases)):
-        phase_settings(recipe, i)  # every phase's settings are valid before anything runs
+    for i, phase in enumerate(recipe.phases):
+        settings = phase_settings(recipe, i)  # every phase's settings are valid before anything runs
+        if phase.stop_when is not None and not settings.train.grid_every:
+            raise ValueError(f"recipe {recipe.name}, phase {phase.name}: stop_when reads the chart, which "
+                             "train.grid_every 0 never draws")
     return recipe
 
 
