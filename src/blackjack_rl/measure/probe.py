@@ -1,24 +1,37 @@
-"""Read a policy's first-decision strategy off its probabilities, without sampling.
+"""Read a policy's strategy off its probabilities, without sampling.
 
 For every chart state the opening prompt is built exactly as an episode builds it, and the
 policy scores the two valid calls (`answer_logprobs_many`). Bots give their exact hit
 probability. The result feeds grid.py, which turns it into exact values.
+
+The same reading at every history a game can reach (the prompt after one or more hits)
+feeds tree.py, which gives the exact value of the whole-game policy (`exact_game`).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from blackjack_rl.rollout.episodes import opening_messages
 from blackjack_rl.game.table import Observation
 from blackjack_rl.game.solver import GRID_STATES, GridKey
+from blackjack_rl.measure.tree import History, NodePolicy, Progress, evaluate_game, is_natural
 from blackjack_rl.rollout.credit import hit_share
 from blackjack_rl.rollout.players import Player
-from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text
-from blackjack_rl.contract.tokens import common_prefix_length
+from blackjack_rl.contract.protocol import HIT, STICK, observation_text, tool_call_text
+from blackjack_rl.contract.tokens import ChatFormat, common_prefix_length
 from blackjack_rl.policies.base import KnowsItsPolicy, ScoresAnswers
+
+# Histories scored by `exact_game` unless told otherwise. A model's reading costs about as much
+# as a chart cell (the prompt's new turn and the two calls); a bot's costs microseconds, and
+# this many cover the trees of the optimal and threshold bots (~170,000 histories).
+GAME_BUDGET = 1_000
+BOT_GAME_BUDGET = 200_000
+# A model's tree stops early once the certified interval is this narrow (bots: covered).
+GAME_TARGET_WIDTH = 0.004
 
 
 @dataclass(frozen=True)
@@ -38,11 +51,7 @@ async def probe_policy(player: Player, temperature: float | None = None, calls_p
     policy = player.policy
     if isinstance(policy, KnowsItsPolicy):
         return Probe({k: float(policy.hit_probability(Observation(*k), False)) for k in GRID_STATES}, None, None)
-    if not isinstance(policy, ScoresAnswers):
-        raise ValueError(
-            f"{policy.name} cannot score given answers, so its strategy cannot be read without sampling "
-            "(the grid needs the embedded, hf or a scripted policy)"
-        )
+    _check_scores(policy)
     t = temperature if temperature is not None else float(policy.temperature or 1.0)
     chat = player.chat
     calls = [chat.answer_ids(tool_call_text(HIT)), chat.answer_ids(tool_call_text(STICK))]
@@ -68,10 +77,17 @@ async def probe_policy(player: Player, temperature: float | None = None, calls_p
     return Probe(p_hit, p_calls or None, t)
 
 
-async def exact_grid(player: Player) -> dict[str, Any]:
-    """The exact chart numbers of a policy, as recorded in metrics.json (`evaluate --grid`)."""
-    import time
+def _check_scores(policy: Any) -> None:
+    if not isinstance(policy, ScoresAnswers):
+        raise ValueError(
+            f"{policy.name} cannot score given answers, so its strategy cannot be read without sampling "
+            "(the grid needs the embedded, hf or a scripted policy)"
+        )
 
+
+async def exact_grid(player: Player, game_budget: int | None = None) -> dict[str, Any]:
+    """The exact chart numbers of a policy, as recorded in metrics.json (`evaluate --grid`), with
+    the whole-game numbers under "whole_game" (`exact_game`; its first decisions are this chart's)."""
     from blackjack_rl.measure.grid import evaluate_grid
 
     t0 = time.perf_counter()
@@ -81,5 +97,102 @@ async def exact_grid(player: Player) -> dict[str, Any]:
         **g.to_dict(),
         "temperature": probe.temperature,
         "p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None,
+        "whole_game": await exact_game(player, game_budget, probe=probe),
         "seconds": time.perf_counter() - t0,
     }
+
+
+# --------------------------------------------------------------------------- the whole game
+
+
+def history_ids(chat: ChatFormat, history: History, thinking: bool = False) -> list[int]:
+    """The prompt of the decision at `history`, token for token as an episode builds it: the
+    opening, then per hit the answer the model gave (the canonical hit call, as `answer_ids`
+    tokenizes it: what the probe scores) and the next user turn."""
+    ids = chat.prompt_ids(opening_messages(history[0], thinking))
+    if len(history) > 1:
+        hit = chat.answer_ids(tool_call_text(HIT))
+        for obs in history[1:]:
+            ids += hit + chat.next_turn_ids(observation_text(*obs))
+    return ids
+
+
+def node_policy(player: Player, temperature: float | None = None, probe: Probe | None = None) -> NodePolicy:
+    """The policy at histories, for tree.py: (P(hit), P(stick)) of each. A bot's are exact (no
+    invalid mass); a model's are the probabilities of the two canonical calls, whole. `probe`,
+    a `probe_policy` reading with `p_calls` at the same temperature, gives the first decisions."""
+    policy = player.policy
+    if isinstance(policy, KnowsItsPolicy):
+        async def bot(histories: Sequence[History]) -> list[tuple[float, float]]:
+            hits = [float(policy.hit_probability(h[-1], is_natural(h))) for h in histories]
+            return [(h, 1.0 - h) for h in hits]
+
+        return bot
+    _check_scores(policy)
+    t = temperature if temperature is not None else float(policy.temperature or 1.0)
+    known: dict[Observation, tuple[float, float]] = {}
+    if probe is not None and probe.p_calls and probe.temperature == t:
+        known = {k: (probe.p_calls[k] * h, probe.p_calls[k] * (1.0 - h)) for k, h in probe.p_hit.items()}
+
+    async def model(histories: Sequence[History]) -> list[tuple[float, float]]:
+        return await _score_histories(player, t, histories, known)
+
+    return model
+
+
+async def _score_histories(player: Player, temperature: float, histories: Sequence[History],
+                           known: dict[Observation, tuple[float, float]]) -> list[tuple[float, float]]:
+    """Score the two calls at each history, with the probe's items (so a first decision reads
+    the same numbers), neighbours in prompt order so llama.cpp reuses its cache between them."""
+    chat, settings = player.chat, player.settings
+    calls = [chat.answer_ids(tool_call_text(HIT)), chat.answer_ids(tool_call_text(STICK))]
+    shared = common_prefix_length(calls)
+    out: list[tuple[float, float]] = [(0.0, 0.0)] * len(histories)
+    todo = []
+    for i, h in enumerate(histories):
+        if len(h) == 1 and h[0] in known:
+            out[i] = known[h[0]]
+            continue
+        prompt = history_ids(chat, h, settings.thinking)
+        # an episode whose next answer would not fit its token budget ends truncated, scored
+        # like invalid: P(hit) = P(stick) = 0, as here
+        if len(prompt) + settings.max_new_tokens <= settings.max_token_length:
+            todo.append((prompt, i))
+    todo.sort()
+    items = []
+    for prompt, _ in todo:
+        items.append((prompt, [calls[0][:shared]]))
+        items.append(([*prompt, *calls[0][:shared]], [c[shared:] for c in calls]))
+    scored = await player.policy.answer_logprobs_many(items, temperature, same_kernels=False) if items else []
+    for j, (_, i) in enumerate(todo):
+        (lp_shared,), (lp_hit, lp_stick) = scored[2 * j], scored[2 * j + 1]
+        out[i] = (math.exp(sum(lp_shared) + sum(lp_hit)), math.exp(sum(lp_shared) + sum(lp_stick)))
+    return out
+
+
+async def exact_game(player: Player, budget: int | None = None, target_width: float | None = None,
+                     temperature: float | None = None, probe: Probe | None = None,
+                     progress: Progress | None = None) -> dict[str, Any]:
+    """The exact value of the policy over whole games (tree.py), as a JSON-ready dict.
+
+    For a model, P(hit) and P(stick) at a history are the probabilities of the two canonical
+    calls exactly (their shared beginning included), and P(invalid) is everything else: also
+    a valid call written any other way, and the histories that would follow it. With an invalid
+    score of -1 or lower no game scores less than a forfeit, so `value_low` is a certified
+    lower bound of the policy's true expected reward (invalid = invalid score, no format bonus),
+    exact for a policy that writes only the canonical calls; `value_high` bounds the game of
+    canonical calls only. A bot's numbers are exact. Temperature as in `probe_policy`; top-p,
+    top-k and min-p truncation are not modelled. An invalid answer forfeits, as with the
+    default `invalid_retries` 0 (a re-prompt could only score more than a forfeit of -1).
+    """
+    t0 = time.perf_counter()
+    bot = isinstance(player.policy, KnowsItsPolicy)
+    budget = budget or (BOT_GAME_BUDGET if bot else GAME_BUDGET)
+    target = target_width if target_width is not None else (0.0 if bot else GAME_TARGET_WIDTH)
+    policy = node_policy(player, temperature, probe)
+    tree = await evaluate_game(player.solution, policy, invalid_score=player.settings.invalid_score,
+                               max_turns=player.settings.max_turns, budget=budget, target_width=target,
+                               progress=progress)
+    t = None if bot else (temperature if temperature is not None else float(player.policy.temperature or 1.0))
+    return {**tree.to_dict(), "budget": budget, "target_width": target, "temperature": t,
+            "invalid_score": player.settings.invalid_score, "seconds": time.perf_counter() - t0}

@@ -1,0 +1,269 @@
+"""The exact whole-game value (measure/tree.py): against the solver for stationary bots, against
+closed forms and an independent recursion for policies that read the history, and the
+certified interval when the budget does not cover the tree."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text
+from blackjack_rl.game.solver import CARD_PROBS, after_hit, policy_outcome, solve, stick_outcome
+from blackjack_rl.game.table import Observation, Rules, Table
+from blackjack_rl.measure.probe import exact_game, exact_grid, history_ids, node_policy, probe_policy
+from blackjack_rl.measure.tree import deals, evaluate_game, is_natural, outcome_bounds, outcome_range
+from blackjack_rl.policies.base import Reply
+from blackjack_rl.policies.bots import OptimalBot, RandomBot, ThresholdBot
+from blackjack_rl.rollout.episodes import play_episode
+from blackjack_rl.rollout.players import Player
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def by_history(f):
+    """A node policy from `f(history) -> (P(hit), P(stick))`."""
+    async def policy(histories):
+        return [f(h) for h in histories]
+
+    return policy
+
+
+def stationary(hit):
+    """A node policy from the solver's form `hit(sum, dealer, usable_ace, natural)`: blind to the history."""
+    def f(h):
+        p = hit(*h[-1], is_natural(h))
+        return p, 1.0 - p
+
+    return by_history(f)
+
+
+def first_states():
+    return deals().items()
+
+
+# --------------------------------------------------------------------------- stationary bots: the solver's values
+
+
+def test_the_optimal_bots_whole_game_is_v_star(solution):
+    g = run(exact_game(Player(OptimalBot(solution), None, solution)))
+    assert g["complete"] and g["width"] == 0.0 and g["unexplored_mass"] == 0.0
+    assert abs(g["value"] - solution.value) < 1e-9
+    assert g["first_accuracy"] == 1.0 and g["after_hit_accuracy"] == 1.0 == g["after_hit_accuracy_valid"]
+    assert 0.5 < g["stick_after_hit_accuracy"] < 0.8  # sticking after a hit is often, not always, right
+    # the env's turn limit truncates a handful of hands: the only, tiny, difference from the solver
+    assert 0.0 < g["p_invalid"] < 1e-10
+
+
+@pytest.mark.parametrize("threshold", [4, 12, 15, 17])
+def test_a_threshold_bots_whole_game_is_its_solver_value(solution, threshold):
+    g = run(exact_game(Player(ThresholdBot(threshold), None, solution)))
+    exact = policy_outcome(Rules(), lambda s, d, u, n: float(s < threshold)).value
+    assert g["complete"] and g["width"] == 0.0
+    assert abs(g["value"] - exact) < 1e-9
+
+
+def test_stochastic_stationary_play_and_paying_naturals_match_the_solver():
+    """A random bot hits at every history, so its tree (8 million histories) is covered only in
+    part (next test); a random policy that stops hitting at 16 has a small one."""
+    def hit(s, d, u, n):
+        return 0.5 if s < 13 else 0.2 if s < 16 else 0.0
+
+    for rules in (Rules(), Rules(natural=True), Rules(sab=True)):
+        sol = solve(rules)
+        g = run(evaluate_game(sol, stationary(hit)))
+        assert g.complete and g.width == 0.0
+        assert abs(g.value - policy_outcome(rules, hit).value) < 1e-9
+
+
+def test_the_random_bots_interval_holds_its_solver_value(solution):
+    g = run(exact_game(Player(RandomBot(), None, solution), budget=20_000))
+    exact = policy_outcome(Rules(), lambda s, d, u, n: 0.5).value
+    assert not g["complete"] and g["nodes"] == 20_000
+    assert g["value_low"] <= exact <= g["value_high"] and g["width"] < 0.02
+    assert g["first_accuracy"] == pytest.approx(0.5) and g["after_hit_accuracy"] == pytest.approx(0.5)
+
+
+# --------------------------------------------------------------------------- play that reads the history
+
+
+def _q_stick(obs, natural=False, rules=Rules()):
+    return stick_outcome(obs.player_sum, obs.dealer_card, natural, rules).value
+
+
+def test_hitting_only_at_the_first_decision_has_its_closed_form(solution):
+    def hit(obs):
+        return 0.3 + 0.04 * (obs.player_sum % 11)
+
+    g = run(evaluate_game(solution, by_history(lambda h: (hit(h[0]), 1 - hit(h[0])) if len(h) == 1 else (0.0, 1.0))))
+    exact = 0.0
+    for obs, p in first_states():
+        after = sum(q * (-1.0 if s > 21 else _q_stick(Observation(s, obs.dealer_card, u)))
+                    for c, q in CARD_PROBS for s, u in [after_hit(obs.player_sum, obs.usable_ace, c)])
+        exact += p * ((1 - hit(obs)) * _q_stick(obs, is_natural((obs,))) + hit(obs) * after)
+    assert g.complete and abs(g.value - exact) < 1e-12
+    assert g.max_depth == 1 and g.after_hit_accuracy_valid == g.after_hit_accuracy  # no invalid mass
+
+
+@pytest.mark.parametrize("invalid_score", [-1.0, -2.0])
+def test_always_invalid_after_a_hit_has_its_closed_form(solution, invalid_score):
+    def first(obs):
+        h = float(solution.best_action(obs, is_natural((obs,))) == HIT)
+        return 0.9 * h, 0.9 * (1 - h)  # a tenth of first answers invalid too
+
+    g = run(evaluate_game(solution, by_history(lambda h: first(h[0]) if len(h) == 1 else (0.0, 0.0)),
+                          invalid_score=invalid_score))
+    exact = 0.0
+    for obs, p in first_states():
+        p_hit, p_stick = first(obs)
+        bust = sum(q for c, q in CARD_PROBS if after_hit(obs.player_sum, obs.usable_ace, c)[0] > 21)
+        exact += p * (p_stick * _q_stick(obs, is_natural((obs,))) + 0.1 * invalid_score
+                      + p_hit * (-bust + (1 - bust) * invalid_score))
+    assert g.complete and abs(g.value - exact) < 1e-12
+    assert g.first_accuracy == pytest.approx(0.9) and g.first_accuracy_valid == pytest.approx(1.0)
+    assert g.after_hit_accuracy == 0.0 and g.after_hit_accuracy_valid is None  # no valid answer after a hit
+
+
+def _recursive_value(solution, f, history, invalid_score, max_turns):
+    """The same value by plain recursion over the draws: an independent check of the heap's sums."""
+    obs, depth = history[-1], len(history) - 1
+    p_hit, p_stick = f(history)
+    value = p_stick * _q_stick(obs, is_natural(history)) + (1 - p_hit - p_stick) * invalid_score
+    for card, q in CARD_PROBS if p_hit else ():
+        s, u = after_hit(obs.player_sum, obs.usable_ace, card)
+        if s > 21:
+            value -= p_hit * q
+        elif depth + 1 >= max_turns:
+            value += p_hit * q * invalid_score
+        else:
+            value += p_hit * q * _recursive_value(solution, f, (*history, Observation(s, obs.dealer_card, u)),
+                                                  invalid_score, max_turns)
+    return value
+
+
+def test_play_that_changes_with_depth_and_the_path_agrees_with_a_recursion(solution):
+    """P(hit) falls with each hit and depends on the first hand too; a fifth of later answers
+    are invalid; the turn limit (3 answers here) truncates."""
+    def f(h):
+        base = 0.8 if h[-1].player_sum < 16 else 0.3
+        p_hit = base / len(h) * (0.5 if h[0].usable_ace else 1.0)
+        p_valid = 1.0 if len(h) == 1 else 0.8
+        return p_valid * p_hit, p_valid * (1 - p_hit)
+
+    g = run(evaluate_game(solution, by_history(f), invalid_score=-1.5, max_turns=3))
+    exact = sum(p * _recursive_value(solution, f, (obs,), -1.5, 3) for obs, p in first_states())
+    assert g.complete and abs(g.value - exact) < 1e-12 and g.max_depth == 2
+    assert g.p_invalid > 0.0
+
+
+# --------------------------------------------------------------------------- the certified interval
+
+
+def test_the_bounds_are_the_worst_and_best_play(solution):
+    bounds = outcome_bounds(Rules(), -1.0)
+    for key, (w, b) in bounds.items():
+        assert w == -1.0 and b == pytest.approx(max(solution.q[key]), abs=1e-12)
+    assert outcome_range(Rules(), -1.0) == (-1.0, 1.0) and outcome_range(Rules(natural=True), -2.0) == (-2.0, 1.5)
+
+
+@pytest.mark.parametrize("invalid_score", [-1.0, -2.0])
+def test_a_small_budget_gives_an_interval_that_holds_the_value(solution, invalid_score):
+    def f(h):  # hit below 14, a twentieth of answers invalid
+        p_hit = float(h[-1].player_sum < 14)
+        return 0.95 * p_hit, 0.95 * (1 - p_hit)
+
+    exact = run(evaluate_game(solution, by_history(f), invalid_score=invalid_score))
+    assert exact.complete and exact.width == 0.0
+    bounds = outcome_bounds(Rules(), invalid_score)
+    worst, best = outcome_range(Rules(), invalid_score)
+    for budget in (50, 300, 3000):
+        g = run(evaluate_game(solution, by_history(f), invalid_score=invalid_score, budget=budget, batch=64))
+        assert g.nodes == budget and not g.complete
+        assert g.value_low <= exact.value <= g.value_high
+        gaps = [(r, bounds[(*h[-1], is_natural(h))]) for h, r in g.frontier]
+        width = math.fsum(r * (b - w) for r, (w, b) in gaps)
+        assert g.width == pytest.approx(width, rel=1e-9, abs=1e-15)
+        assert g.unexplored_mass == pytest.approx(math.fsum(r for _, r in g.frontier), abs=1e-15)
+        assert g.explored_mass == pytest.approx(1.0 - g.unexplored_mass)
+        assert g.width <= g.unexplored_mass * (best - worst) + 1e-12
+    widths = [run(evaluate_game(solution, by_history(f), budget=b)).width for b in (300, 1000, 3000)]
+    assert widths[0] > widths[1] > widths[2]
+
+
+def test_the_search_stops_at_the_target_width_and_checks_the_policy(solution):
+    optimal = stationary(lambda s, d, u, n: float(solution.best_action((s, d, u), n) == HIT))
+    g = run(evaluate_game(solution, optimal, target_width=0.05, batch=32))
+    assert g.width <= 0.05 and not g.complete and g.nodes < 5000
+    assert g.value_low <= solution.value <= g.value_high
+    with pytest.raises(ValueError, match="at most 1"):
+        run(evaluate_game(solution, by_history(lambda h: (0.7, 0.7))))
+    with pytest.raises(ValueError, match="answered 0 of"):
+        run(evaluate_game(solution, _answers_nothing))
+    with pytest.raises(ValueError, match="at least 1"):
+        run(evaluate_game(solution, optimal, budget=0))
+
+
+async def _answers_nothing(histories):
+    return []
+
+
+def test_the_grid_carries_the_whole_game(solution):
+    g = run(exact_grid(Player(ThresholdBot(12), None, solution)))
+    assert g["whole_game"]["complete"] and abs(g["whole_game"]["value"] - g["value"]) < 1e-9
+
+
+# --------------------------------------------------------------------------- the model's prompts
+
+
+class Recorder:
+    """Hits twice then sticks, keeping every prompt it was shown."""
+
+    name = "recorder"
+
+    def __init__(self):
+        self.turns = []
+
+    def generation_params(self):
+        return {"policy": self.name}
+
+    async def respond(self, turn):
+        self.turns.append((turn.observation, list(turn.prompt_ids)))  # the trajectory grows after
+        return Reply(text=tool_call_text(HIT if len(self.turns) <= 2 else STICK))
+
+    async def aclose(self):
+        pass
+
+
+def test_a_historys_prompt_is_the_episodes_own(vocab_chat, solution):
+    checked = 0
+    for seed in range(40):
+        bot = Recorder()
+        ep = run(play_episode(Table(Rules()), bot, vocab_chat, solution, seed))
+        history = ()
+        for obs, prompt in bot.turns:
+            history = (*history, Observation(*obs))
+            assert history_ids(vocab_chat, history) == prompt
+            checked += len(history) > 1
+        assert ep.failed is False
+    assert checked > 20
+
+
+@pytest.mark.embedded
+@pytest.mark.slow
+def test_the_models_whole_game_reads_its_first_decisions_as_the_probe(embedded, solution):
+    player = Player(embedded, embedded.chat, solution)
+    probe = run(probe_policy(player))
+    fresh = run(evaluate_game(solution, node_policy(player), budget=24, batch=24))
+    assert fresh.max_depth == 0 and len(fresh.roots) == 24
+    for obs, (p_hit, p_stick) in fresh.roots.items():
+        assert p_hit / (p_hit + p_stick) == pytest.approx(probe.p_hit[obs], abs=1e-6)
+        assert p_hit + p_stick == pytest.approx(probe.p_calls[obs], rel=1e-6)
+    # the first decisions from the probe, then the likeliest histories after a hit
+    g = run(exact_game(player, budget=len(deals()) + 16, target_width=0.0, probe=probe))
+    assert g["nodes"] == len(deals()) + 16 and g["max_depth"] >= 1 and not g["complete"]
+    assert -1.0 <= g["value_low"] <= g["value_high"] <= 1.0 and g["width"] > 0.0
+    assert g["after_hit_accuracy"] is not None and 0.0 <= g["after_hit_accuracy"] <= 1.0
+
