@@ -56,12 +56,13 @@ def test_wrong_adapter_options_are_one_line(tmp_path, argv, says):
 
 @pytest.mark.embedded
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two models play on 2 cores; a busy machine makes it slower, never wrong
 def test_the_first_command_plays_the_trained_model_beside_the_untrained_one(tmp_path):
     """The README's first command, on fewer deals: both models live on the same fixed deals, the
     paired difference with its interval, and every table naming the adapter."""
     readme = (REPO / "README.md").read_text()
     assert "blackjack-rl evaluate --lora three-phase --versus-base" in readme.split("```")[1]
-    run = run_cli("evaluate", "--lora", "three-phase", "--versus-base", "--max-tokens", "40", "--episodes", "40",
+    run = run_cli("evaluate", "--lora", "three-phase", "--versus-base", "--max-tokens", "40", "--episodes", "24",
                   "--threads", "2", "--quiet", "--out", str(tmp_path / "first"), cwd=tmp_path, timeout=900,
                   env={"COLUMNS": "160"})
     assert run.returncode == 0, run.stdout + run.stderr
@@ -73,9 +74,9 @@ def test_the_first_command_plays_the_trained_model_beside_the_untrained_one(tmp_
     # optimally (docs/training), this one 84% on 1,000 deals
     assert adapter["decision_accuracy"]["rate"] > 0.65
     (paired,) = json.loads((tmp_path / "first" / "compare.json").read_text())["comparisons"]
-    assert (paired["a"], paired["b"], paired["pairs"], paired["only_a"], paired["only_b"]) == ("base", "adapter", 40, 0, 0)
+    assert (paired["a"], paired["b"], paired["pairs"], paired["only_a"], paired["only_b"]) == ("base", "adapter", 24, 0, 0)
     expected = paired["differences"]["expected"]
     assert expected["ci95_low"] > 0 and expected["significant"]
-    assert "+ LoRA three-phase" in run.stdout and "paired over 40 shared deals" in run.stdout
+    assert "+ LoRA three-phase" in run.stdout and "paired over 24 shared deals" in run.stdout
     assert "+ LoRA three-phase" in (tmp_path / "first" / "adapter" / "report.html").read_text()
     assert "+ LoRA three-phase" in (tmp_path / "first" / "compare.html").read_text()
