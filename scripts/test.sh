@@ -16,6 +16,19 @@ PYTHON="${PYTHON:-python3}"
 # the HTML pages are tested in Debian's Chromium (driven by playwright, which never downloads a browser)
 command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 
+# --- verifiers >= 0.4: a second environment of its own -------------------------------------------
+# verifiers 0.4 cannot share one with the 0.3 release the `verifiers` extra pins, so the taskset
+# package gets its own venv; tests/test_adapters_verifiers_taskset.py runs its vf-eval from there
+# (and skips, saying why, when it is absent). uv runs the seat's chat program (a uv script).
+VF04_VENV="${BLACKJACK_RL_VF04_VENV:-.venv-vf04}"
+"$PYTHON" -m venv --clear "$VF04_VENV"
+"$VF04_VENV/bin/python" -m pip install --upgrade pip
+"$VF04_VENV/bin/python" -m pip install -e . -e environments/blackjack_rl_taskset "verifiers>=0.4,<0.5" uv
+"$VF04_VENV/bin/python" -m pip check
+BLACKJACK_RL_VF04_VENV="$(cd "$VF04_VENV" && pwd)"
+export BLACKJACK_RL_VF04_VENV
+# --- end of the verifiers >= 0.4 environment -------------------------------------------------------
+
 "$PYTHON" -m venv --clear "$VENV"
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
