@@ -267,3 +267,37 @@ def test_the_models_whole_game_reads_its_first_decisions_as_the_probe(embedded, 
     assert -1.0 <= g["value_low"] <= g["value_high"] <= 1.0 and g["width"] > 0.0
     assert g["after_hit_accuracy"] is not None and 0.0 <= g["after_hit_accuracy"] <= 1.0
 
+
+def test_grid_and_evaluate_write_and_print_the_whole_game(tmp_path):
+    import json
+
+    from helpers import run_cli
+
+    grid = run_cli("grid", "--policy", "threshold", "--threshold", "12", "--out", str(tmp_path / "g"), cwd=tmp_path)
+    assert grid.returncode == 0, grid.stdout + grid.stderr
+    game = json.loads((tmp_path / "g" / "grid.json").read_text())["whole_game"]
+    exact = policy_outcome(Rules(), lambda s, d, u, n: float(s < 12)).value
+    assert game["complete"] and abs(game["value"] - exact) < 1e-9 and game["nodes"] == 5670
+    assert "whole game" in grid.stdout and "after a hit" in grid.stdout
+    assert 'id="whole-game"' in (tmp_path / "g" / "grid.html").read_text()
+    ev = run_cli("evaluate", "--policy", "threshold", "--threshold", "12", "--episodes", "30", "--grid",
+                 "--out", str(tmp_path / "e"), cwd=tmp_path)
+    assert ev.returncode == 0, ev.stdout + ev.stderr
+    metrics = json.loads((tmp_path / "e" / "metrics.json").read_text())
+    assert abs(metrics["grid"]["whole_game"]["value"] - exact) < 1e-9
+    assert "whole game" in ev.stdout and 'id="whole-game"' in (tmp_path / "e" / "report.html").read_text()
+
+
+def test_the_trainers_chart_carries_the_whole_game_unless_told_not_to(solution):
+    from blackjack_rl.config import Settings
+    from blackjack_rl.train.metrics import grid_metrics
+
+    player = Player(ThresholdBot(12), None, solution)
+    exact = policy_outcome(Rules(), lambda s, d, u, n: float(s < 12)).value
+    row = grid_metrics(player, Settings())  # the trainer's small budget: an interval
+    assert row["game_value_low"] < exact < row["game_value_high"]
+    row = grid_metrics(player, Settings(), game_budget=10_000)  # enough for this tree
+    assert abs(row["game_value"] - exact) < 1e-9 and row["game_value_low"] == row["game_value_high"]
+    assert 0.0 < row["after_hit_accuracy"] < 1.0 and abs(row["grid_value"] - exact) < 1e-9
+    off = grid_metrics(player, Settings(), game_budget=0)
+    assert off["game_value"] is None and off["after_hit_accuracy"] is None and off["grid_value"] == row["grid_value"]

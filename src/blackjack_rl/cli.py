@@ -226,7 +226,10 @@ def _versus_base(settings, args: argparse.Namespace, console: Console) -> int:
 def _cmd_grid(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
+    from rich.markup import escape
+
     from blackjack_rl.jobs.grid import run_grid
+    from blackjack_rl.report.console import game_line
 
     settings = settings_from_args(args)
     run = _with_player(settings, lambda player: run_grid(Path(settings.out), player))
@@ -234,7 +237,9 @@ def _cmd_grid(args: argparse.Namespace, console: Console) -> int:
     console.print(f"exact value {g.value:+.4f} (optimal {g.optimal_value:+.4f}, regret {g.regret:.4f}); "
                   f"accuracy {100 * g.accuracy:.1f}% by visits, {100 * g.cell_accuracy:.1f}% by cell; "
                   f"P(hit) {g.p_hit_hit_optimal:.2f} where hit is optimal, {g.p_hit_stick_optimal:.2f} where stick is "
-                  f"({run.seconds:.1f}s). Chart in [bold]{run.page}[/bold]")
+                  f"({run.seconds:.1f}s).")
+    console.print(escape(game_line(run.game)))
+    console.print(f"Chart in [bold]{run.page}[/bold]")
     return 0
 
 

@@ -8,29 +8,45 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from blackjack_rl.measure.grid import GridEvaluation, evaluate_grid
-from blackjack_rl.measure.probe import probe_policy
+from blackjack_rl.measure.probe import exact_game, probe_policy
 from blackjack_rl.rollout.players import Player
 
 
 @dataclass
 class GridRun:
     grid: GridEvaluation
-    meta: dict[str, Any]
+    meta: dict[str, Any]  # "whole_game": the exact whole-game numbers (measure/tree.py)
     page: Path
-    seconds: float
+    seconds: float  # reading the chart; the whole game's time is its own "seconds"
+
+    @property
+    def game(self) -> dict[str, Any]:
+        return self.meta["whole_game"]
 
 
-async def run_grid(out: Path, player: Player) -> GridRun:
+async def run_grid(out: Path, player: Player, progress: bool = True) -> GridRun:
+    """The chart, then the whole game from its first decisions on (the chart's readings reused)."""
     from blackjack_rl.report.gridpage import write_grid_page
 
     t0 = time.perf_counter()
     probe = await probe_policy(player)
     seconds = time.perf_counter() - t0
     g = evaluate_grid(player.solution, probe.p_hit)
+    bar = tqdm(desc="game tree", unit="history", disable=None if progress else True)
+
+    def advance(nodes: int, width: float) -> None:
+        bar.update(nodes - bar.n)
+        bar.set_postfix(width=f"{width:.4f}", refresh=False)
+
+    game = await exact_game(player, probe=probe, progress=advance)
+    bar.close()
     out.mkdir(parents=True, exist_ok=True)
     meta = {"policy": player.policy.generation_params(), "temperature": probe.temperature, "seconds": seconds,
-            "p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None}
+            "p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None,
+            "whole_game": game}
     tmp = out / "grid.json.tmp"
     tmp.write_text(json.dumps({**g.to_dict(), **meta}, indent=2) + "\n", encoding="utf-8")
     tmp.replace(out / "grid.json")

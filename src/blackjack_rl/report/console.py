@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table as RichTable
 
 from blackjack_rl.contract.records import MeanCI, Metrics, RateCI
@@ -104,9 +105,31 @@ def print_metrics(m: Metrics, console: Console) -> None:
         f"For reference, same rules: optimal play {ref['optimal'].value:+.4f} (win {ref['optimal'].win:.1%}), "
         f"always stick {ref['always_stick'].value:+.4f}, uniform random {ref['random'].value:+.4f}."
     )
+    if m.grid:
+        _print_grid(m.grid, console)
     if m.episodes_failed:
         console.print(f"[red]{m.episodes_failed} episodes failed (no answer from the model): "
                       f"{m.failure_examples[:1]}[/red]")
+
+
+def _print_grid(grid: Mapping[str, Any], console: Console) -> None:
+    """`evaluate --grid`: the exact numbers, beside the sampled ones above."""
+    console.print(f"Exact, no sampling: first-decision chart {grid['value']:+.4f} "
+                  f"(accuracy {100 * grid['accuracy']:.1f}% by visits, P(hit) among the two calls)", highlight=False)
+    if grid.get("whole_game"):
+        console.print(escape(game_line(grid["whole_game"])), highlight=False)
+
+
+def game_line(game: Mapping[str, Any]) -> str:
+    """The whole-game numbers (measure/tree.py) in one line, for the console (`grid`, `evaluate --grid`)."""
+    where = "" if game["complete"] else f", {100 * game['explored_mass']:.2f}% of deals"
+    line = (f"whole game (every decision, with its history): {game['value']:+.4f} certified in "
+            f"[{game['value_low']:+.4f}, {game['value_high']:+.4f}] (width {game['width']:.4f}, "
+            f"{game['nodes']:,} histories{where}, {game['seconds']:.1f}s)")
+    if game.get("after_hit_accuracy") is not None:
+        line += (f"; after a hit {100 * game['after_hit_accuracy']:.1f}% right, always sticking there "
+                 f"{100 * game['stick_after_hit_accuracy']:.1f}%")
+    return line
 
 
 def print_comparison(runs: list[Any], comparisons: list[Any], console: Console) -> None:

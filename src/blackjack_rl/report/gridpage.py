@@ -34,8 +34,9 @@ def grid_rows(evaluation: GridEvaluation | Mapping[str, Any], solution: Solution
 
 
 def render_grid_page(title: str, evaluation: GridEvaluation, solution: Solution, meta: Mapping[str, Any]) -> str:
+    g = {**evaluation.to_dict(), "whole_game": meta.get("whole_game")}
     return environment().get_template("grid.html.jinja").render(
-        title=title, g=evaluation.to_dict(), rows=grid_rows(evaluation, solution),
+        title=title, g=g, rows=grid_rows(evaluation, solution),
         dealers=["A" if d == 1 else str(d) for d in DEALER_CARDS], meta=dict(meta),
     )
 

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from blackjack_rl.config import Settings
 from blackjack_rl.measure.evaluation import compute_metrics, rate_ci
 from blackjack_rl.measure.grid import evaluate_grid
-from blackjack_rl.measure.probe import probe_policy
+from blackjack_rl.measure.probe import exact_game, probe_policy
 from blackjack_rl.rollout.players import Player
 from blackjack_rl.rollout.runner import run_evaluation
 from blackjack_rl.contract.records import (EpisodeRecord, Metrics, Outcome, ScoredDataGroup, SequenceRecord, Status,
@@ -101,10 +101,22 @@ def evaluate_policy(player: Player, settings: Settings, step: int, out: Path) ->
     return {"kind": "eval", "step": step, "summary": eval_summary(metrics), "seconds": metrics.seconds}
 
 
-def grid_metrics(player: Player, settings: Settings) -> dict[str, Any]:
-    """The exact strategy-chart numbers of the current weights (measure/grid.py), as log fields."""
-    probe = asyncio.run(probe_policy(player, settings.policy.temperature, calls_probability=False))
+# Histories the trainer's periodic chart scores for the whole game, its 270 first decisions
+# included (free: the chart reads them, with P(a canonical call), a third more work). The ~130
+# after a hit cost about a chart cell each: the chart takes ~1.8x as long; its interval is
+# wide for a model that hits often (see docs/report.md), a trend, not a certificate of 1e-3.
+# 0: no whole-game fields (None), the chart as before.
+GRID_GAME_BUDGET = 400
+
+
+def grid_metrics(player: Player, settings: Settings, game_budget: int = GRID_GAME_BUDGET) -> dict[str, Any]:
+    """The exact strategy-chart numbers of the current weights (measure/grid.py), and the
+    whole-game value with its certified interval (measure/tree.py), as log fields."""
+    probe = asyncio.run(probe_policy(player, settings.policy.temperature, calls_probability=game_budget > 0))
     g = evaluate_grid(player.solution, probe.p_hit)
+    game: dict[str, Any] = {}
+    if game_budget > 0:
+        game = asyncio.run(exact_game(player, game_budget, temperature=probe.temperature, probe=probe))
     return {
         "grid_accuracy": g.accuracy,
         "grid_cell_accuracy": g.cell_accuracy,
@@ -115,4 +127,9 @@ def grid_metrics(player: Player, settings: Settings) -> dict[str, Any]:
         "grid_hit_gap": g.hit_gap,
         "grid_p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None,
         "grid_p_hit": g.p_hit,
+        # the whole game, every decision with its history (None where game_budget is 0)
+        "game_value": game.get("value"),
+        "game_value_low": game.get("value_low"),
+        "game_value_high": game.get("value_high"),
+        "after_hit_accuracy": game.get("after_hit_accuracy"),
     }
