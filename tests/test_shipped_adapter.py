@@ -62,7 +62,7 @@ def test_the_first_command_plays_the_trained_model_beside_the_untrained_one(tmp_
     paired difference with its interval, and every table naming the adapter."""
     readme = (REPO / "README.md").read_text()
     assert "blackjack-rl evaluate --lora three-phase --versus-base" in readme.split("```")[1]
-    run = run_cli("evaluate", "--lora", "three-phase", "--versus-base", "--max-tokens", "40", "--episodes", "24",
+    run = run_cli("evaluate", "--lora", "three-phase", "--versus-base", "--max-tokens", "40", "--episodes", "30",
                   "--threads", "2", "--quiet", "--out", str(tmp_path / "first"), cwd=tmp_path, timeout=900,
                   env={"COLUMNS": "160"})
     assert run.returncode == 0, run.stdout + run.stderr
@@ -74,9 +74,9 @@ def test_the_first_command_plays_the_trained_model_beside_the_untrained_one(tmp_
     # optimally (docs/training), this one 84% on 1,000 deals
     assert adapter["decision_accuracy"]["rate"] > 0.65
     (paired,) = json.loads((tmp_path / "first" / "compare.json").read_text())["comparisons"]
-    assert (paired["a"], paired["b"], paired["pairs"], paired["only_a"], paired["only_b"]) == ("base", "adapter", 24, 0, 0)
+    assert (paired["a"], paired["b"], paired["pairs"], paired["only_a"], paired["only_b"]) == ("base", "adapter", 30, 0, 0)
     expected = paired["differences"]["expected"]
     assert expected["ci95_low"] > 0 and expected["significant"]
-    assert "+ LoRA three-phase" in run.stdout and "paired over 24 shared deals" in run.stdout
+    assert "+ LoRA three-phase" in run.stdout and "paired over 30 shared deals" in run.stdout
     assert "+ LoRA three-phase" in (tmp_path / "first" / "adapter" / "report.html").read_text()
     assert "+ LoRA three-phase" in (tmp_path / "first" / "compare.html").read_text()
