@@ -180,6 +180,7 @@ def _first_party() -> set[str]:
     local = {"blackjack_rl"}
     for folder in _SCANNED:
         local |= {p.stem for p in (_ROOT / folder).rglob("*.py")}
+        local |= {p.parent.name for p in (_ROOT / folder).rglob("__init__.py")}  # packages, e.g. the taskset's
     return local
 
 
