@@ -301,3 +301,18 @@ def test_the_trainers_chart_carries_the_whole_game_unless_told_not_to(solution):
     assert 0.0 < row["after_hit_accuracy"] < 1.0 and abs(row["grid_value"] - exact) < 1e-9
     off = grid_metrics(player, Settings(), game_budget=0)
     assert off["game_value"] is None and off["after_hit_accuracy"] is None and off["grid_value"] == row["grid_value"]
+
+
+def test_a_rare_call_still_reads_some_decisions_after_a_hit(solution):
+    """Calls at one in ten thousand meet any width with the first decisions alone; min_nodes
+    still reads the likeliest histories after a hit, in one batch of exactly that many."""
+    sizes = []
+
+    async def rare(histories):
+        sizes.append(len(histories))
+        return [(1e-4 * (h[-1].player_sum < 17), 1e-4 * (h[-1].player_sum >= 17)) for h in histories]
+
+    g = run(evaluate_game(solution, rare, target_width=0.01, min_nodes=len(deals()) + 40, batch=len(deals())))
+    assert sizes == [len(deals()), 40] and g.nodes == len(deals()) + 40
+    assert g.after_hit_accuracy is not None and g.width <= 0.01
+    assert run(evaluate_game(solution, rare, target_width=0.01, batch=len(deals()))).after_hit_accuracy is None

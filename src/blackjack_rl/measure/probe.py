@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from blackjack_rl.rollout.episodes import opening_messages
 from blackjack_rl.game.table import Observation
 from blackjack_rl.game.solver import GRID_STATES, GridKey
-from blackjack_rl.measure.tree import History, NodePolicy, Progress, evaluate_game, is_natural
+from blackjack_rl.measure.tree import History, NodePolicy, Progress, deals, evaluate_game, is_natural
 from blackjack_rl.rollout.credit import hit_share
 from blackjack_rl.rollout.players import Player
 from blackjack_rl.contract.protocol import HIT, STICK, observation_text, tool_call_text
@@ -30,8 +30,10 @@ from blackjack_rl.policies.base import KnowsItsPolicy, ScoresAnswers
 # this many cover the trees of the optimal and threshold bots (~170,000 histories).
 GAME_BUDGET = 1_000
 BOT_GAME_BUDGET = 200_000
-# A model's tree stops early once the certified interval is this narrow (bots: covered).
+# A model's tree stops early once the certified interval is this narrow (bots: covered), but
+# not before its first decisions and this many more are scored: the after-hit accuracy's reading.
 GAME_TARGET_WIDTH = 0.004
+GAME_AFTER_HIT_NODES = 128
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,7 @@ async def exact_game(player: Player, budget: int | None = None, target_width: fl
     policy = node_policy(player, temperature, probe)
     tree = await evaluate_game(player.solution, policy, invalid_score=player.settings.invalid_score,
                                max_turns=player.settings.max_turns, budget=budget, target_width=target,
+                               min_nodes=len(deals()) + GAME_AFTER_HIT_NODES, batch=max(256, len(deals())),
                                progress=progress)
     t = None if bot else (temperature if temperature is not None else float(player.policy.temperature or 1.0))
     return {**tree.to_dict(), "budget": budget, "target_width": target, "temperature": t,

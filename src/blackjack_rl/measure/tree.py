@@ -252,16 +252,23 @@ def _result(tree: _Tree) -> GameTree:
 
 async def evaluate_game(solution: Solution, policy: NodePolicy, *, invalid_score: float = -1.0,
                         max_turns: int = 10, budget: int = 100_000, target_width: float = 0.0,
-                        batch: int = 256, progress: Progress | None = None) -> GameTree:
+                        min_nodes: int = 0, batch: int = 256, progress: Progress | None = None) -> GameTree:
     """Score the policy's histories in order of reach, `batch` at a time, until the tree is
-    covered, `budget` histories are scored, or the certified width is at most `target_width`."""
+    covered, `budget` histories are scored, or the certified width is at most `target_width`
+    once `min_nodes` are (a model whose calls are rare meets any width with its first
+    decisions alone, yet its decisions after a hit are worth reading)."""
     if budget < 1 or batch < 1:
         raise ValueError(f"budget and batch must be at least 1, got {budget} and {batch}")
     tree = _Tree(solution, invalid_score, max_turns, outcome_bounds(solution.rules, invalid_score))
     for obs, p in sorted(deals().items()):
         tree.push((obs,), p)
-    while tree.heap and tree.totals.nodes < budget and not (target_width > 0.0 and tree.width() <= target_width):
-        nodes = tree.pop(min(batch, budget - tree.totals.nodes), target_width)
+
+    def target() -> float:
+        return target_width if tree.totals.nodes >= min_nodes else 0.0
+
+    while tree.heap and tree.totals.nodes < budget and not (target() > 0.0 and tree.width() <= target()):
+        done = tree.totals.nodes
+        nodes = tree.pop(min(batch, budget - done, min_nodes - done if done < min_nodes else batch), target())
         probs = await policy([h for h, _ in nodes])
         if len(probs) != len(nodes):
             raise ValueError(f"the policy answered {len(probs)} of {len(nodes)} histories")

@@ -103,8 +103,9 @@ def evaluate_policy(player: Player, settings: Settings, step: int, out: Path) ->
 
 # Histories the trainer's periodic chart scores for the whole game, its 270 first decisions
 # included (free: the chart reads them, with P(a canonical call), a third more work). The ~130
-# after a hit cost about a chart cell each: the chart takes ~1.8x as long; its interval is
-# wide for a model that hits often (see docs/report.md), a trend, not a certificate of 1e-3.
+# after a hit cost about a chart cell each (in llama.cpp; torch not measured), so the chart
+# takes roughly twice as long; for a model that plays well the interval stays wide (~0.2,
+# docs/report.md): a trend, not a tight certificate.
 # 0: no whole-game fields (None), the chart as before.
 GRID_GAME_BUDGET = 400
 
