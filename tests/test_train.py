@@ -544,7 +544,7 @@ def test_a_run_started_from_a_saved_adapter_continues_that_adapter(tiny_model_di
     wrong = run_cli("train", *common, "--lora-rank", "4", "--init-adapter", str(tmp_path / "one" / "adapter"),
                     "--out", str(tmp_path / "three"), cwd=tmp_path)
     assert wrong.returncode != 0 and "--lora-rank" in wrong.stderr and "Traceback" not in wrong.stderr
-    no_lora = [c for c in common if c != "--lora"]
+    no_lora = common[:common.index("--lora")]
     plain = run_cli("train", *no_lora, "--init-adapter", str(tmp_path / "one" / "adapter"),
                     "--out", str(tmp_path / "four"), cwd=tmp_path)
     assert plain.returncode != 0 and "needs --lora" in plain.stderr and "Traceback" not in plain.stderr
@@ -586,7 +586,7 @@ def test_a_fresh_adapter_over_a_saved_one_is_saved_as_one_exact_adapter(tiny_mod
                                              str(tmp_path / "one" / "adapter")]):
         bad = run_cli("train", *common, "--steps", "2", *wrong, "--out", str(tmp_path / "bad"), cwd=tmp_path)
         assert bad.returncode != 0 and "--base-adapter" in bad.stderr and "Traceback" not in bad.stderr
-    no_lora = [c for c in common if c != "--lora"]
+    no_lora = common[:common.index("--lora")]
     plain = run_cli("train", *no_lora, "--steps", "1", "--base-adapter", str(tmp_path / "one" / "adapter"),
                     "--out", str(tmp_path / "four"), cwd=tmp_path)
     assert plain.returncode != 0 and "needs --lora" in plain.stderr and "Traceback" not in plain.stderr
