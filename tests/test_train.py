@@ -116,7 +116,9 @@ def test_packed_rows_give_each_sequences_own_logprobs_and_gradients(tiny_model_d
     above = params if first_layer == 0 else [*core.layers[first_layer:].parameters(), *core.norm.parameters()]
     for q, g in zip(params, expected):
         if any(q is a for a in above):
-            torch.testing.assert_close(q.grad, g, atol=1e-5, rtol=1e-4)
+            # float32 sums in another order (BLAS kernels differ by CPU): equal to a part in 1e-4 of
+            # the gradient's size, where a wrong attention mask or a lost path differs by order one
+            assert float((q.grad - g).norm()) <= 1e-4 * float(g.norm()) + 1e-6
 
 
 def test_packing_is_skipped_where_one_wide_row_would_pad_many_narrow_ones():
@@ -461,9 +463,9 @@ def test_batch_metrics_read_the_policys_call_probabilities_from_two_call_groups(
         assert m[key] == (pytest.approx(sum(mine) / len(mine)) if mine else None)
 
 
-def _two_call_groups(policy, solution, seeds) -> list[ScoredDataGroup]:
+def _two_call_groups(policy, solution, seeds, continue_with: str = "sampled") -> list[ScoredDataGroup]:
     player = Player(policy, policy.chat, solution, EpisodeSettings())
-    config = GroupConfig(credit="step-counterfactual", group_size=0)
+    config = GroupConfig(credit="step-counterfactual", group_size=0, continue_with=continue_with)
     return [r.group for seed in seeds for r in deal_groups(player, seed, config)]
 
 
@@ -481,6 +483,37 @@ def test_balanced_actions_weigh_hit_and_stick_optimal_decisions_equally(tiny_pol
     assert totals["hit"] == pytest.approx(totals["stick"]) == pytest.approx(len(groups) / 2)
     one_class = [g for g, o in zip(groups, optimal) if o == "hit"]
     assert action_balance(one_class) == [1.0] * len(one_class)  # nothing to balance against
+
+
+def test_balancing_later_decisions_apart_weighs_each_turn_set_by_action(tiny_policy, solution):
+    """--balance-later: among first decisions and among decisions after a hit, hit-optimal and
+    stick-optimal weigh the same, and each set keeps its own total weight."""
+    from blackjack_rl.train.grpo import action_balance
+
+    groups = _two_call_groups(tiny_policy, solution, range(40), continue_with="best")  # hits where optimal
+    keys = [(g.episodes[0].decision > 0, g.episodes[0].optimal) for g in groups]
+    counts = {k: keys.count(k) for k in set(keys)}
+    assert len(counts) == 4 and len({counts[(True, a)] / counts[(False, a)] for a in ("hit", "stick")}) == 2
+    weights = action_balance(groups, by_turn=True)
+    for later in (False, True):
+        size = counts[(later, "hit")] + counts[(later, "stick")]
+        for a in ("hit", "stick"):
+            total = sum(w for w, k in zip(weights, keys) if k == (later, a))
+            assert total == pytest.approx(size / 2)
+    # balanced over the whole batch only, the later decisions' own classes stay unequal
+    flat = action_balance(groups)
+    later = {a: sum(w for w, k in zip(flat, keys) if k == (True, a)) for a in ("hit", "stick")}
+    assert later["hit"] != pytest.approx(later["stick"])
+
+
+def test_balance_later_needs_balanced_actions_and_later_decisions():
+    with pytest.raises(ValueError, match="needs --balance-actions"):
+        GroupConfig(credit="step-counterfactual", group_size=0, balance_later=True)
+    with pytest.raises(ValueError, match="--decisions first never makes"):
+        GroupConfig(credit="step-counterfactual", group_size=0, balance_actions=True, balance_later=True,
+                    decisions="first")
+    with pytest.raises(ValueError, match="is for step groups"):
+        GroupConfig(credit="episode", balance_later=True)
 
 
 def test_balance_actions_takes_the_step_of_the_weighted_groups(tiny_model_dir, tiny_policy, solution):

@@ -43,7 +43,8 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "train": TRAIN_SETTINGS,
 }
 # balancing decisions weighs the trainer's batches, which process and serve do not have
-WITHOUT: dict[str, tuple[str, ...]] = {"process": ("groups.balance_actions",), "serve": ("groups.balance_actions",)}
+_TRAIN_ONLY = ("groups.balance_actions", "groups.balance_later")
+WITHOUT: dict[str, tuple[str, ...]] = {"process": _TRAIN_ONLY, "serve": _TRAIN_ONLY}
 
 
 def _add_settings(p: argparse.ArgumentParser, command: str) -> None:

@@ -211,6 +211,9 @@ class GroupConfig(_Section):
                                            "tokens (0: train the decision only)")
     balance_actions: bool = Field(False, description="train, step modes: weigh each batch's decisions so that "
                                                      "hit-optimal and stick-optimal states count equally")
+    balance_later: bool = Field(False, description="train, with --balance-actions: balance first decisions and "
+                                                   "decisions after a hit apart, so that a history (\"I hit "
+                                                   "before\") earns nothing as a reason for one action")
 
     @model_validator(mode="after")
     def _parameters_of_the_mode(self) -> "GroupConfig":
@@ -220,7 +223,7 @@ class GroupConfig(_Section):
             raise ValueError("--group-size 0 makes groups of the two forced calls only: it needs "
                              "--credit step-counterfactual")
         if mode not in STEP_MODES:
-            for name in ("continue_with", "starts", "decisions", "balance_actions"):
+            for name in ("continue_with", "starts", "decisions", "balance_actions", "balance_later"):
                 if getattr(self, name) != defaults[name].default:
                     raise ValueError(f"--{name.replace('_', '-')} is for step groups: use --credit step, step-tokens "
                                      f"or step-counterfactual (not {mode})")
@@ -229,6 +232,11 @@ class GroupConfig(_Section):
                 if getattr(self, name) != defaults[name].default:
                     raise ValueError(f"--{name.replace('_', '-')} weighs per-token advantages: use --credit "
                                      f"episode-tokens, step-tokens or step-counterfactual (not {mode})")
+        if self.balance_later and not self.balance_actions:
+            raise ValueError("--balance-later balances hit and stick among later decisions: it needs "
+                             "--balance-actions")
+        if self.balance_later and self.decisions == "first":
+            raise ValueError("--balance-later weighs decisions after a hit, which --decisions first never makes")
         return self
 
     @property

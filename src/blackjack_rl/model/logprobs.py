@@ -66,22 +66,12 @@ def pack_rows(tokens: Sequence[Sequence[int]], inputs: Sequence[int], p: int) ->
     """
     n = len(tokens)
     order = sorted(range(n), key=lambda r: tuple(tokens[r][p : inputs[r]]))
-    groups: list[list[tuple[int, int]]] = []  # per row: (sequence, where it leaves the row's first)
-    for r in order:
-        if groups and len(groups[-1]) < MAX_BRANCHES:
-            head = groups[-1][0][0]
-            shared = p + common_prefix_length([tokens[head][p : inputs[head]], tokens[r][p : inputs[r]]])
-            # only where it saves at least the tokens it adds to the row (unrelated sequences
-            # share a few tokens of chat markup, and a wide row costs attention for all)
-            if shared - p >= inputs[r] - shared:
-                groups[-1].append((r, shared))
-                continue
-        groups.append([(r, inputs[r])])
-    widths = [sum(inputs[r] - split for r, split in g[1:]) + inputs[g[0][0]] - p for g in groups]
+    groups, widths = _branch(order, tokens, inputs, p, None)
     if len(groups) * max(widths) >= n * (max(inputs) - p):
-        # every row is padded to the widest: one wide row among narrow ones can cost more than it saves
-        groups = [[(r, inputs[r])] for r in order]
-        widths = [inputs[r] - p for r in order]
+        # every row is padded to the widest: rows grown wider than any one sequence cost more than
+        # they save (histories that share all but their last turn make such rows), so no row
+        # may outgrow the longest sequence
+        groups, widths = _branch(order, tokens, inputs, p, max(inputs) - p)
     width = max(widths)
     rows = len(groups)
     ids = torch.zeros(rows, width, dtype=torch.long)
@@ -108,6 +98,28 @@ def pack_rows(tokens: Sequence[Sequence[int]], inputs: Sequence[int], p: int) ->
             at += k
         valid[i, :at] = True
     return Packed(ids, positions, valid, attend, p, where)
+
+
+def _branch(order: Sequence[int], tokens: Sequence[Sequence[int]], inputs: Sequence[int], p: int,
+            cap: int | None) -> tuple[list[list[tuple[int, int]]], list[int]]:
+    """The rows of `pack_rows`: per row, (sequence, where it leaves the row's first), and the
+    row's width; with `cap`, a sequence joins a row only while the row stays that narrow."""
+    groups: list[list[tuple[int, int]]] = []
+    widths: list[int] = []
+    for r in order:
+        if groups and len(groups[-1]) < MAX_BRANCHES:
+            head = groups[-1][0][0]
+            shared = p + common_prefix_length([tokens[head][p : inputs[head]], tokens[r][p : inputs[r]]])
+            # only where it saves at least the tokens it adds to the row (unrelated sequences
+            # share a few tokens of chat markup, and a wide row costs attention for all)
+            own = inputs[r] - shared
+            if shared - p >= own and (cap is None or widths[-1] + own <= cap):
+                groups[-1].append((r, shared))
+                widths[-1] += own
+                continue
+        groups.append([(r, inputs[r])])
+        widths.append(inputs[r] - p)
+    return groups, widths
 
 
 def token_logprobs(

@@ -201,22 +201,32 @@ def carries_signal(group: ScoredDataGroup, advantages: list[float] | None) -> bo
     return any(v != 0.0 for row, m in zip(group.advantages, group.masks) for v, k in zip(row, m) if k != MASKED)
 
 
-def action_balance(groups: Sequence[ScoredDataGroup]) -> list[float]:
+def action_balance(groups: Sequence[ScoredDataGroup], by_turn: bool = False) -> list[float]:
     """A weight per group so that the batch's decisions where hitting is optimal and those where
     sticking is optimal weigh the same in total (1.0 for groups that are not decisions).
+    `by_turn` balances first decisions and later ones (after a hit) apart, each set keeping
+    its own total weight.
 
     Why: a policy that cannot yet tell hands apart can still raise the batch's decision credit
     by moving one shared hit/stick preference toward the more common class, and that is what
     it learns first. Measured on SmolLM2-135M over the strategy chart (docs/training/): with 61%
     of the states hit-optimal it went to always hitting in 5 steps; with the two classes weighed
     equally, a shared preference earns nothing and the gap between the classes grew instead.
+    Later decisions are mostly stick-optimal, so without `by_turn` "I have hit before" is such
+    a preference, and the model learned it instead of reading the hand.
     """
-    optimal = [d.optimal if (d := decision_of(g)) is not None else None for g in groups]
-    counts = {a: optimal.count(a) for a in ("hit", "stick")}
-    total = counts["hit"] + counts["stick"]
-    if not counts["hit"] or not counts["stick"]:
-        return [1.0] * len(groups)  # one class only: nothing to balance against
-    return [total / (2 * counts[a]) if a in counts else 1.0 for a in optimal]
+    decisions = [decision_of(g) for g in groups]
+    keys = [None if d is None else ((d.decision > 0) if by_turn else False, d.optimal) for d in decisions]
+    weights = [1.0] * len(groups)
+    for later in {k[0] for k in keys if k is not None}:
+        counts = {a: keys.count((later, a)) for a in ("hit", "stick")}
+        if not counts["hit"] or not counts["stick"]:
+            continue  # one class only: nothing to balance against
+        total = counts["hit"] + counts["stick"]
+        for i, k in enumerate(keys):
+            if k is not None and k[0] == later:
+                weights[i] = total / (2 * counts[k[1]])
+    return weights
 
 
 def weighted(group: ScoredDataGroup, advantages: list[float] | None, weight: float
@@ -248,7 +258,8 @@ def optimize(
     forward is backpropagated as soon as its loss is known, so memory holds one graph at a time.
     """
     work = []
-    weights = action_balance(groups) if settings.groups.balance_actions else [1.0] * len(groups)
+    balance = settings.groups
+    weights = action_balance(groups, balance.balance_later) if balance.balance_actions else [1.0] * len(groups)
     for g, w in zip(groups, weights):
         adv = scalar_advantages(g, loss_config.scale_advantages)
         if carries_signal(g, adv):
