@@ -296,10 +296,10 @@ def test_the_trainers_chart_carries_the_whole_game_unless_told_not_to(solution):
     exact = policy_outcome(Rules(), lambda s, d, u, n: float(s < 12)).value
     row = grid_metrics(player, Settings())  # the trainer's small budget: an interval
     assert row["game_value_low"] < exact < row["game_value_high"]
-    row = grid_metrics(player, Settings(), game_budget=10_000)  # enough for this tree
+    row = grid_metrics(player, Settings(train={"game_budget": 10_000}))  # enough for this tree
     assert abs(row["game_value"] - exact) < 1e-9 and row["game_value_low"] == row["game_value_high"]
     assert 0.0 < row["after_hit_accuracy"] < 1.0 and abs(row["grid_value"] - exact) < 1e-9
-    off = grid_metrics(player, Settings(), game_budget=0)
+    off = grid_metrics(player, Settings(train={"game_budget": 0}))
     assert off["game_value"] is None and off["after_hit_accuracy"] is None and off["grid_value"] == row["grid_value"]
 
 

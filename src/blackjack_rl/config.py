@@ -350,6 +350,9 @@ class TrainConfig(_Section):
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only the final model)")
     grid_every: int = Field(1, ge=0, description="exact strategy-chart evaluation every N steps (0: only with "
                                                  "the sampled evaluations)")
+    game_budget: int = Field(400, ge=0, le=100_000, description="histories of the whole game each chart reads, its "
+                                                                 "~270 first decisions included (0: the chart alone; "
+                                                                 "a history after a hit costs about a chart cell)")
     resume: Path | None = Field(None, description="continue from a checkpoint folder written by --save-every "
                                                   "(weights, optimizer state, step, deal stream)",
                                 json_schema_extra={"metavar": "CHECKPOINT"})

@@ -101,18 +101,15 @@ def evaluate_policy(player: Player, settings: Settings, step: int, out: Path) ->
     return {"kind": "eval", "step": step, "summary": eval_summary(metrics), "seconds": metrics.seconds}
 
 
-# Histories the trainer's periodic chart scores for the whole game, its 270 first decisions
-# included (free: the chart reads them, with P(a canonical call), a third more work). The ~130
-# after a hit cost about a chart cell each (in llama.cpp; torch not measured), so the chart
-# takes roughly twice as long; for a model that plays well the interval stays wide (~0.2,
-# docs/report.md): a trend, not a tight certificate.
-# 0: no whole-game fields (None), the chart as before.
-GRID_GAME_BUDGET = 400
-
-
-def grid_metrics(player: Player, settings: Settings, game_budget: int = GRID_GAME_BUDGET) -> dict[str, Any]:
+def grid_metrics(player: Player, settings: Settings) -> dict[str, Any]:
     """The exact strategy-chart numbers of the current weights (measure/grid.py), and the
-    whole-game value with its certified interval (measure/tree.py), as log fields."""
+    whole-game value with its certified interval (measure/tree.py), as log fields.
+
+    The whole game reads `train.game_budget` histories, its ~270 first decisions included (free:
+    the chart reads them, with P(a canonical call), a third more work). Those after a hit cost
+    about a chart cell each; for a model that plays well the interval stays wide (~0.2 at 400,
+    docs/report.md): a trend, not a tight certificate. 0: no whole-game fields (None)."""
+    game_budget = settings.train.game_budget
     probe = asyncio.run(probe_policy(player, settings.policy.temperature, calls_probability=game_budget > 0))
     g = evaluate_grid(player.solution, probe.p_hit)
     game: dict[str, Any] = {}
