@@ -8,6 +8,7 @@
     openai_completions.py  a pool of servers, token ids in and out where they can (pool.py routes)
     bots.py                scripted players: optimal, threshold, random
     gguf_lora.py           a peft LoRA adapter as a llama.cpp GGUF adapter
+    gguf_fold.py           a peft LoRA adapter folded into the GGUF's weights (no run-time cost)
 
 Every setting reaches every policy that can honour it; a setting a policy cannot honour is
 refused here, in one line that says what to do, instead of being dropped silently (a run
