@@ -191,7 +191,8 @@ def _at(settings, path):
 
 # Flags whose other values are only valid together with another flag (the models' validators).
 NEEDS = {"--starts": ["--credit", "step"], "--decisions": ["--credit", "step"], "--continue-with": ["--credit", "step"],
-         "--balance-actions": ["--credit", "step"], "--scale-decisions": ["--credit", "step-tokens"],
+         "--balance-actions": ["--credit", "step"], "--balance-later": ["--credit", "step", "--balance-actions"],
+         "--scale-decisions": ["--credit", "step-tokens"],
          "--format-weight": ["--credit", "step-tokens"]}
 
 
