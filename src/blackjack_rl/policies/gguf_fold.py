@@ -1,15 +1,14 @@
-"""The base GGUF with a LoRA adapter folded into its weights: an adapter that costs nothing at run time.
+"""The base GGUF with a LoRA adapter folded into its weights: an adapter with no run-time products.
 
 Why: llama.cpp applies a GGUF adapter (gguf_lora.py) at run time, two extra products per adapted
-weight at every token; measured, 100 deals took 111 s with `--lora three-phase` against 63 s for
-the base model. Folding W + scale * B @ A once gives a plain model of the base's shape instead.
+weight at every token; folding W + scale * B @ A once gives a plain model of the base's shape.
 
 The adapted weights are dequantized (Q4_1 -> float32), the update added in float32 and the sum
 written as F16 by default (or f32, or q8_0 with gguf-py's quantizer, ggml's reference one, which is
-what llama.cpp's own quantizer runs without an importance matrix). Not back to Q4_1: the update
-(RMS ~0.004 for three-phase) is a tenth of a Q4_1 step (~0.05), so requantizing snaps most weights
-back to their old level and loses more than the update (measured: 9 nats off at the action token).
-Every other tensor is copied byte for byte, and every metadata field (vocabulary, chat template).
+what llama.cpp's own quantizer runs without an importance matrix). Not back to Q4_1: a trained
+update is far smaller than a Q4_1 step, so requantizing snaps most weights back to their old level
+(docs/inference.md has the measurements). Every other tensor is copied byte for byte, and every
+metadata field (vocabulary, chat template).
 """
 
 from __future__ import annotations
