@@ -24,7 +24,8 @@ from blackjack_rl.contract.records import ScoredDataGroup  # noqa: E402
 from blackjack_rl.model.forward import RowCache, forward_rows, run_prefix  # noqa: E402
 from blackjack_rl.model.io import build_hf_tokenizer, load_model  # noqa: E402
 from blackjack_rl.model.logprobs import Targets, pack_rows, token_logprobs  # noqa: E402
-from blackjack_rl.train.grpo import LossConfig, group_advantages, optimize, rows_of, trained_targets  # noqa: E402
+from blackjack_rl.rollout.credit import group_advantages  # noqa: E402
+from blackjack_rl.train.grpo import LossConfig, optimize, rows_of, trained_targets  # noqa: E402
 from blackjack_rl.train.groups import read_group  # noqa: E402
 from blackjack_rl.train.trainer import make_trainable  # noqa: E402
 from blackjack_rl.policies.torch.policy import TorchPolicy  # noqa: E402

@@ -1,4 +1,4 @@
-"""The command line: `blackjack-rl solve | process | evaluate | grid | compare | serve | train | api`."""
+"""The command line: `blackjack-rl solve | process | evaluate | grid | compare | fidelity | serve | train | api`."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "grid": PLAY,
     "serve": (*PLAY, "groups", "serve", "ray.address", "ray.workers", "ray.cpus", "ray.max_restarts"),
     "train": TRAIN_SETTINGS,
+    "fidelity": ("out", "policy", "episode.invalid_score", "episode.max_token_length", "game"),
 }
 # balancing decisions weighs the trainer's batches, which process and serve do not have
 _TRAIN_ONLY = ("groups.balance_actions", "groups.balance_later")
@@ -107,6 +108,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", metavar="RUN", help="evaluation folders; the first is the baseline")
     p.add_argument("--out", metavar="DIR", default="runs/compare", help="where to write the page (default runs/compare)")
 
+    p = sub.add_parser("fidelity", help="score a groups file's credit against the policy's exact advantages",
+                       description="Read the credit each action of GROUPS got (per-token advantages on the action "
+                                   "word, or GRPO's scalar advantage) and score it against A^pi(h, a) = Q^pi(h, a) - "
+                                   "V^pi(h) of the policy given here (the one that sampled the groups), computed "
+                                   "exactly from its probabilities over the game tree: sign agreement, correlation, "
+                                   "bias and noise. Writes OUT/fidelity.json.")
+    _add_common(p)
+    _add_settings(p, "fidelity")
+    p.add_argument("groups", metavar="GROUPS", help="a groups file (JSONL, one Atropos ScoredDataGroup a line) whose "
+                                                    "groups carry our records: written by process, serve or train")
+    p.add_argument("--max-decisions", type=_bounded_int(1, 100_000), default=2_000, metavar="N",
+                   help="score at most the first N decisions (default 2000)")
+    p.add_argument("--tree-budget", type=_bounded_int(1, 1_000_000), default=1_000, metavar="N",
+                   help="histories scored below each hit for Q^pi(h, hit) (default 1000)")
+
     from blackjack_rl.train.cli import add_train_parser
 
     p = add_train_parser(sub)
@@ -116,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("api", help="run the trajectory API (Atropos-compatible)", add_help=False,
                    description="Run the trajectory API; see `blackjack-rl api --help`.")
     return parser
+
+
+def _bounded_int(low: int, high: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
+        return value
+
+    return parse
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -244,6 +273,23 @@ def _cmd_grid(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_fidelity(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    from blackjack_rl.jobs.fidelity import run_fidelity
+    from blackjack_rl.report.console import print_fidelity
+
+    settings = settings_from_args(args)
+    groups = Path(args.groups)
+    if not groups.is_file():
+        raise ValueError(f"{groups}: no such groups file")
+    run = _with_player(settings, lambda player: run_fidelity(groups, player, Path(settings.out),
+                                                             max_decisions=args.max_decisions,
+                                                             budget=args.tree_budget))
+    print_fidelity(run, console)
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from blackjack_rl.jobs.compare import run_compare
     from blackjack_rl.report.console import print_comparison
@@ -349,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
 
         console = Console(stderr=False)
         handlers = {"solve": _cmd_solve, "process": _cmd_process, "evaluate": _cmd_evaluate, "serve": _cmd_serve,
-                    "compare": _cmd_compare, "train": _cmd_train, "grid": _cmd_grid}
+                    "compare": _cmd_compare, "train": _cmd_train, "grid": _cmd_grid, "fidelity": _cmd_fidelity}
         return handlers[args.command](args, console)
     except _user_errors() as exc:  # ValidationError is a ValueError
         # plain print: rich would wrap a long message over several lines and read [..] as markup

@@ -175,10 +175,15 @@ class EpisodeConfig(_Section):
 #   prompt plus one answer;
 # - step-tokens: step groups with per-token advantages;
 # - step-counterfactual: step groups that also hold both valid calls, forced and carrying the
-#   policy's own logprobs: the exact all-action gradient (embedded and hf policies).
-CreditMode = Literal["episode", "episode-tokens", "step", "step-tokens", "step-counterfactual"]
-STEP_MODES = ("step", "step-tokens", "step-counterfactual")
-TOKEN_MODES = ("episode-tokens", "step-tokens", "step-counterfactual")
+#   policy's own logprobs: the exact all-action gradient (embedded and hf policies);
+# - step-rollouts: the same groups, each action's value estimated from the table's rewards alone
+#   (K rollouts per action with common random numbers, the policy continuing): no solver output
+#   enters the credit, the states trained or their weights.
+CreditMode = Literal["episode", "episode-tokens", "step", "step-tokens", "step-counterfactual", "step-rollouts"]
+STEP_MODES = ("step", "step-tokens", "step-counterfactual", "step-rollouts")
+TOKEN_MODES = ("episode-tokens", "step-tokens", "step-counterfactual", "step-rollouts")
+# What a reward-only mode refuses: each chooses or weighs states by the solver's optimal action.
+SOLVER_CHOICES = {"starts": "chart", "continue_with": "best", "balance_actions": True}
 
 
 class GroupConfig(_Section):
@@ -188,7 +193,8 @@ class GroupConfig(_Section):
     credit: CreditMode = Field(
         "episode", description="episode | episode-tokens (per-token format and Q* decision credit) | step (a group "
                                "per decision, answers scored by Q*) | step-tokens | step-counterfactual (also both "
-                               "calls, forced, with the policy's logprobs: the exact all-action gradient)")
+                               "calls, forced, with the policy's logprobs: the exact all-action gradient) | "
+                               "step-rollouts (the same groups, credited from the table's rewards alone)")
     group_size: int = Field(16, ge=0, le=1024, description="episodes per group, all on one deal (step groups: answers "
                                                            "per decision; step-counterfactual: answers sampled besides "
                                                            "the two calls, 0 allowed)")
@@ -197,9 +203,11 @@ class GroupConfig(_Section):
     continue_with: Literal["sampled", "best"] = Field(
         "sampled", description="step modes: the answer the canonical episode continues with"
     )
-    starts: Literal["deal", "chart"] = Field(
+    starts: Literal["deal", "chart", "uniform"] = Field(
         "deal", description="step modes: deal: each deal starts where the cards put it; chart: in a strategy-chart "
-                            "state, hit-optimal or stick-optimal with equal chance (exploring starts, for training)")
+                            "state, hit-optimal or stick-optimal with equal chance (exploring starts, for training); "
+                            "uniform: in a chart state drawn uniformly, whatever its optimal action")
+    rollouts: int = Field(16, ge=1, le=1024, description="step-rollouts: rollouts per action at each decision (K)")
     decisions: Literal["all", "first"] = Field(
         "all", description="step modes: all: a group at every decision of a deal; first: at its first decision only "
                            "(later prompts carry the game's history)")
@@ -219,9 +227,9 @@ class GroupConfig(_Section):
     def _parameters_of_the_mode(self) -> "GroupConfig":
         """The one place that says which parameters act in which credit mode."""
         mode, defaults = self.credit, GroupConfig.model_fields
-        if self.group_size == 0 and mode != "step-counterfactual":
+        if self.group_size == 0 and mode not in ("step-counterfactual", "step-rollouts"):
             raise ValueError("--group-size 0 makes groups of the two forced calls only: it needs "
-                             "--credit step-counterfactual")
+                             "--credit step-counterfactual or step-rollouts")
         if mode not in STEP_MODES:
             for name in ("continue_with", "starts", "decisions", "balance_actions", "balance_later"):
                 if getattr(self, name) != defaults[name].default:
@@ -232,6 +240,14 @@ class GroupConfig(_Section):
                 if getattr(self, name) != defaults[name].default:
                     raise ValueError(f"--{name.replace('_', '-')} weighs per-token advantages: use --credit "
                                      f"episode-tokens, step-tokens or step-counterfactual (not {mode})")
+        if mode != "step-rollouts" and self.rollouts != defaults["rollouts"].default:
+            raise ValueError(f"--rollouts sets the rollouts of --credit step-rollouts (not {mode})")
+        if mode == "step-rollouts":
+            for name, value in SOLVER_CHOICES.items():
+                if getattr(self, name) == value:
+                    flag = f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
+                    raise ValueError(f"{flag} chooses or weighs states by the solver's optimal action, which "
+                                     "--credit step-rollouts never reads (reward only)")
         if self.balance_later and not self.balance_actions:
             raise ValueError("--balance-later balances hit and stick among later decisions: it needs "
                              "--balance-actions")
@@ -245,7 +261,8 @@ class GroupConfig(_Section):
 
     @property
     def counterfactual(self) -> bool:
-        return self.credit == "step-counterfactual"
+        """Groups that hold both valid calls, forced (credited by Q* or by rollouts)."""
+        return self.credit in ("step-counterfactual", "step-rollouts")
 
     @property
     def token_advantages(self) -> bool:

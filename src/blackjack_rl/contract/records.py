@@ -151,6 +151,12 @@ class StepRecord(Record):
     forced: bool  # a counterfactual call appended to the group, not sampled
     p_call: dict[str, float] | None = None  # counterfactual groups: on the first record only
     p_valid: float | None = None  # counterfactual groups: P(one of the two calls, exactly); first record only
+    # step-rollouts groups: the credit's own action values, {"stick", "hit"} mean rewards over
+    # `rollouts` rollouts each; first record only (`q` keeps Q*, for the record, never the credit)
+    q_estimate: dict[str, float] | None = None
+    rollouts: int | None = None
+    # the states of the canonical episode's earlier decisions (a decision after a hit); first record only
+    history: list[list[int]] | None = None
 
     @property
     def choices(self) -> list[tuple[str | None, str]]:
@@ -159,7 +165,7 @@ class StepRecord(Record):
     @model_serializer(mode="wrap")
     def _without_absent_p_call(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         out = handler(self)
-        for key in ("p_call", "p_valid"):
+        for key in ("p_call", "p_valid", "q_estimate", "rollouts", "history"):
             if out.get(key) is None:
                 out.pop(key, None)
         return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -49,6 +49,10 @@ class TableStep:
     observation: Observation
     reward: float
     terminated: bool
+
+
+def _usable_ace(hand: list[int]) -> bool:
+    return 1 in hand and sum(hand) + 10 <= 21
 
 
 def _hand_total(hand: list[int]) -> int:
@@ -90,21 +94,47 @@ class Table:
         # reset before step ourselves, so they only cost time.
         self._env = self._wrapped.unwrapped
         self._done = True
+        self._streams: tuple[object, object] | None = None  # (player, dealer) generators after `resume`
 
     def reset(self, seed: int, start: Observation | None = None) -> Observation:
         """Deal `seed`; with `start`, the player's hand and the dealer's up card are replaced by a
         hand in that state (exploring starts), and every later card is still the seed's."""
         obs, _ = self._env.reset(seed=seed)
         self._done = False
+        self._streams = None
         if start is not None:
             self._env.player = hand_in_state(start.player_sum, start.usable_ace, random.Random(seed))
             self._env.dealer[0] = int(start.dealer_card)
             return Observation(_hand_total(self._env.player), int(start.dealer_card), start.usable_ace)
         return Observation(int(obs[0]), int(obs[1]), bool(obs[2]))
 
+    def resume(self, player_hand: list[int], dealer_card: int, seed: Sequence[int]) -> Observation:
+        """Continue a hand from a decision with fresh hidden cards: the dealer's hole card and
+        every later card are drawn anew from the key `seed`, the player's and the dealer's from two
+        streams of their own.
+
+        Gymnasium deals every card from one stream, so a replayed seed hands the dealer, after
+        a stick, the card a hit would have given the player. With a stream per role, a hit and
+        a stick resumed from the same seed see the same cards in the same roles: the common
+        random numbers that make the difference of their rewards a low-variance estimate.
+        The rewards are still Gymnasium's own. With an infinite deck, drawing the hidden cards
+        given what the player has seen changes nothing.
+        """
+        import numpy as np  # Gymnasium's own dependency
+        from gymnasium.envs.toy_text.blackjack import draw_card
+
+        player_rng, dealer_rng = (np.random.default_rng([*seed, role]) for role in (0, 1))
+        self._env.player = list(player_hand)
+        self._env.dealer = [int(dealer_card), draw_card(dealer_rng)]
+        self._streams = (player_rng, dealer_rng)
+        self._done = False
+        return Observation(_hand_total(self._env.player), int(dealer_card), _usable_ace(self._env.player))
+
     def step(self, action: int) -> TableStep:
         if self._done:
             raise RuntimeError("step() after the hand ended: call reset(seed) to deal a new hand")
+        if self._streams is not None:  # a resumed hand: the role that draws next uses its own stream
+            self._env.np_random = self._streams[0] if action == HIT else self._streams[1]
         obs, reward, terminated, truncated, _ = self._env.step(int(action))
         self._done = bool(terminated or truncated)
         return TableStep(Observation(int(obs[0]), int(obs[1]), bool(obs[2])), float(reward), self._done)

@@ -262,7 +262,34 @@ async def evaluate_game(solution: Solution, policy: NodePolicy, *, invalid_score
     tree = _Tree(solution, invalid_score, max_turns, outcome_bounds(solution.rules, invalid_score))
     for obs, p in sorted(deals().items()):
         tree.push((obs,), p)
+    return await _search(tree, policy, budget, target_width, min_nodes, batch, progress)
 
+
+async def hit_value(solution: Solution, policy: NodePolicy, history: History, *, invalid_score: float = -1.0,
+                    max_turns: int = 10, budget: int = 1_000, target_width: float = 0.0,
+                    batch: int = 256) -> GameTree:
+    """Q^pi(history, hit): the value of hitting at `history` and then playing the policy, exact
+    or within the certified interval (its tree is the subtree below the hit, reach 1 at its root).
+    With Q^pi(history, stick) = Q*(stick) (what follows a stick does not depend on the policy),
+    this gives the policy's own advantages at any history (fidelity.py)."""
+    if budget < 1 or batch < 1:
+        raise ValueError(f"budget and batch must be at least 1, got {budget} and {batch}")
+    tree = _Tree(solution, invalid_score, max_turns, outcome_bounds(solution.rules, invalid_score))
+    obs, depth = history[-1], len(history) - 1
+    for card, p in CARD_PROBS:
+        s2, u2 = after_hit(obs.player_sum, obs.usable_ace, card)
+        if s2 > 21:
+            tree.totals.value -= p
+        elif depth + 1 >= max_turns:
+            tree.totals.value += p * invalid_score
+            tree.totals.invalid += p
+        else:
+            tree.push((*history, Observation(s2, obs.dealer_card, u2)), p)
+    return await _search(tree, policy, budget, target_width, 0, batch, None)
+
+
+async def _search(tree: _Tree, policy: NodePolicy, budget: int, target_width: float, min_nodes: int, batch: int,
+                  progress: Progress | None) -> GameTree:
     def target() -> float:
         return target_width if tree.totals.nodes >= min_nodes else 0.0
 

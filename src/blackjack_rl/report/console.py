@@ -174,3 +174,20 @@ def print_comparison(runs: list[Any], comparisons: list[Any], console: Console) 
         if c.only_a or c.only_b or c.failed:
             console.print(f"[yellow]left out: {c.only_a} deals only in {c.a}, {c.only_b} only in {c.b}, "
                           f"{c.failed} with a failed episode[/yellow]")
+
+
+def print_fidelity(run: Any, console: Console) -> None:
+    """The fidelity scores of a groups file (jobs/fidelity.py), a row per set of decisions."""
+    table = RichTable(title=f"Credit against the exact advantage A^pi ({run.groups} groups, {run.histories} histories)")
+    for name in ("decisions", "sign, |A|-wtd", "sign, |A|>=.01", "corr", "bias", "noise (pairs)"):
+        table.add_column(name, justify="right")
+
+    def fmt(x: float | None, f: str = ".3f") -> str:
+        return "-" if x is None else format(x, f)
+
+    for name, s in run.scores.items():
+        table.add_row(f"{name}: {s.decisions}", fmt(s.sign_weighted), f"{fmt(s.sign_clear)} of {s.clear_decisions}",
+                      fmt(s.correlation), fmt(s.bias, "+.4f"), f"{fmt(s.noise)} ({s.noise_pairs})")
+    console.print(table)
+    console.print(f"Q^pi(h, hit) certified within {run.max_width:.4f}; {run.seconds:.1f}s. "
+                  f"Scores in [bold]{escape(str(run.out_file))}[/bold]")

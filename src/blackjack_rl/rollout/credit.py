@@ -113,6 +113,19 @@ def validity_advantages(answers: Sequence[AnswerCredit], invalid_score: float, f
     return [weight * (s - mean) for s in scores]
 
 
+def group_advantages(scores: Sequence[float], scale: bool = True) -> list[float]:
+    """GRPO's scalar credit: score - group mean, divided by the group's std when `scale` (all
+    zero when scores are equal). The trainer applies it to every token of a sequence that has
+    no per-token advantages; fidelity.py reads it the same way."""
+    n = len(scores)
+    mean = sum(scores) / n
+    centred = [s - mean for s in scores]
+    if not scale:
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / n)
+    return [c / std if std > 1e-8 else 0.0 for c in centred]
+
+
 def hit_share(logprob_hit: float, logprob_stick: float) -> float:
     """P(hit | one of the two valid calls) from the log-probabilities of the two whole calls."""
     diff = logprob_stick - logprob_hit

@@ -17,6 +17,7 @@ from blackjack_rl.config import GroupConfig
 from blackjack_rl.contract.records import Status
 from blackjack_rl.rollout.core import GroupResult, limited
 from blackjack_rl.rollout.episodes import Episode
+from blackjack_rl.rollout.estimates import CallMemo
 from blackjack_rl.rollout.groups import play_group
 from blackjack_rl.rollout.players import Player
 from blackjack_rl.rollout.stepgroups import play_step_groups
@@ -101,11 +102,12 @@ class DealRunner:
         self.concurrency = concurrency
         self.limiter = asyncio.Semaphore(concurrency) if concurrency is not None else None
         self.tally = Tally()
+        self.memo = CallMemo()  # rollout credit's continuation prompts, scored once per policy version
 
     async def deal(self, seed: int) -> DealResult:
         """The groups one deal yields: one whole-episode group, or one group per decision."""
         if self.config.group_by == "step":
-            step = await play_step_groups(self.player, seed, self.config, self.limiter)
+            step = await play_step_groups(self.player, seed, self.config, self.limiter, self.memo)
             result = DealResult(seed, step.groups, 1, int(step.status == Status.FAILED))
         else:
             group = await play_group(self.player, seed, self.config, self.limiter)
@@ -125,7 +127,9 @@ class DealRunner:
             yield await pending.pop(0)
 
     async def play_all(self, seeds: list[int]) -> list[DealResult]:
-        """Every deal at once; results in seed order."""
+        """Every deal at once; results in seed order. The trainer calls it once a step, after
+        the weights changed, so the continuation memo starts empty."""
+        self.memo = CallMemo()
         return list(await asyncio.gather(*(self.deal(s) for s in seeds)))
 
     async def evaluation(self, n: int, first: int = 0,

@@ -54,6 +54,7 @@ from blackjack_rl.rollout.credit import (
     validity_advantages,
 )
 from blackjack_rl.rollout.episodes import sampling_seed
+from blackjack_rl.rollout.estimates import CallMemo, estimate_q
 from blackjack_rl.rollout.players import Player
 
 FORCED = (HIT, STICK)  # the order in which a counterfactual group appends the two calls
@@ -87,12 +88,12 @@ class NoAnswers(Exception):
 
 
 async def play_step_groups(player: Player, seed: int, config: GroupConfig,
-                           limiter: asyncio.Semaphore | None = None) -> StepDeal:
+                           limiter: asyncio.Semaphore | None = None, memo: CallMemo | None = None) -> StepDeal:
     deal = StepDeal(seed)
     table = player.tables.acquire()
     env = BlackjackEnv(player.solution, player.settings, table)  # the canonical episode: the one game loop
     try:
-        start = Observation(*balanced_start(seed, player.solution)) if config.starts == "chart" else None
+        start = chart_start(seed, player.solution, config.starts)
         game = Conversation()
         game.open(env.reset(seed, start=start)[0], player.chat)
         while True:
@@ -100,7 +101,7 @@ async def play_step_groups(player: Player, seed: int, config: GroupConfig,
                 deal.status = Status.TRUNCATED
                 return deal
             try:
-                decision = await _decide(player, config, env, game, limiter)
+                decision = await _decide(player, config, env, game, limiter, memo)
             except NoAnswers as exc:
                 deal.status, deal.error = Status.FAILED, str(exc)
                 return deal
@@ -116,7 +117,7 @@ async def play_step_groups(player: Player, seed: int, config: GroupConfig,
 
 
 async def _decide(player: Player, config: GroupConfig, env: BlackjackEnv, game: Conversation,
-                  limiter: asyncio.Semaphore | None) -> _Decision:
+                  limiter: asyncio.Semaphore | None, memo: CallMemo | None) -> _Decision:
     """The group at the canonical episode's decision: sampled answers (and the forced calls)."""
     settings, solution, n = player.settings, player.solution, config.group_size
     obs, natural, prompt = env.observation, env.natural, list(game.trajectory.tokens)
@@ -130,8 +131,13 @@ async def _decide(player: Player, config: GroupConfig, env: BlackjackEnv, game: 
     except Exception as exc:
         raise NoAnswers(f"{type(exc).__name__}: {exc}") from exc
     q, best = solution.q_values(obs, natural), solution.best_action(obs, natural)
+    estimate = None
+    if config.credit == "step-rollouts":  # the credit's values come from the table alone; Q* stays on the record
+        estimate = await estimate_q(player, memo or CallMemo(), prompt, env.table.player_hand, obs, env.play.seed,
+                                    env.turn, config.rollouts)
+    credit_q = estimate.q if estimate is not None else q
     parsed = [parse_action(r.text, r.tool_calls) if i < n else parse_action(r.text) for i, r in enumerate(replies)]
-    scores = [(q[p.action] + settings.format_bonus) if p.valid else settings.invalid_score for p in parsed]
+    scores = [(credit_q[p.action] + settings.format_bonus) if p.valid else settings.invalid_score for p in parsed]
     sequences = [answered(prompt, r, player.chat) for r in replies]
     credits = [AnswerCredit(p.valid, p.action, i >= n) for i, p in enumerate(parsed)]
     records = [
@@ -147,9 +153,14 @@ async def _decide(player: Player, config: GroupConfig, env: BlackjackEnv, game: 
         group.generation_params["counterfactual"] = True
         group.episodes[0].p_call = {"hit": p_call[HIT], "stick": p_call[STICK]}
         group.episodes[0].p_valid = p_valid
+    if env.turn:
+        group.episodes[0].history = [list(d.state) for d in env.play.decisions]
+    if estimate is not None:
+        group.episodes[0].q_estimate = {"stick": estimate.q_stick, "hit": estimate.q_hit}
+        group.episodes[0].rollouts = estimate.k
     if config.token_advantages:
         formats = validity_advantages(credits, settings.invalid_score, settings.format_bonus, config.format_weight, p_valid)
-        decisions = decision_advantages(credits, q, p_call, config.scale_decisions)
+        decisions = decision_advantages(credits, credit_q, p_call, config.scale_decisions)
         answers = [[AnswerAdvantage(r.text, c.valid, d)] for r, c, d in zip(replies, credits, decisions)]
         group.advantages = token_advantages(sequences, answers, formats, player.chat.backend.decode)
     return _Decision(replies, sequences, scores, p_call, turn.seed, group)
@@ -207,6 +218,16 @@ async def _forced_replies(player: Player, prompt: list[int]) -> tuple[list[Reply
     replies = [Reply(text=t, completion_ids=i, logprobs=lp) for t, i, lp in zip(texts, ids, logprobs)]
     p_valid = min(1.0, sum(math.exp(sum(lp)) for lp in logprobs))
     return replies, call_probabilities(sum(logprobs[0]), sum(logprobs[1])), p_valid
+
+
+def chart_start(seed: int, solution: Solution, starts: str) -> Observation | None:
+    """Where a deal of step groups starts: where its cards put it (None), a balanced chart state,
+    or a chart state drawn uniformly (reward only: the solver never chooses it)."""
+    if starts == "chart":
+        return Observation(*balanced_start(seed, solution))
+    if starts == "uniform":
+        return random.Random(seed ^ 0x57A27).choice(GRID_STATES)
+    return None
 
 
 def balanced_start(seed: int, solution: Solution) -> GridKey:

@@ -11,7 +11,6 @@ that has not loaded the new weights) cannot move the policy far.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -22,6 +21,7 @@ from blackjack_rl.config import Settings
 from blackjack_rl.contract.records import ScoredDataGroup
 from blackjack_rl.contract.tokens import MASKED
 from blackjack_rl.model.logprobs import Targets, token_logprobs
+from blackjack_rl.rollout.credit import group_advantages
 from blackjack_rl.train.groups import decision_of
 
 
@@ -43,17 +43,6 @@ class Rows:
     masks: list[list[int]]
     advantages: list[list[float]]
     inference_logprobs: list[list[float]] | None = None
-
-
-def group_advantages(scores: Sequence[float], scale: bool = True) -> list[float]:
-    """score - group mean, divided by the group's std when `scale` (all zero when scores are equal)."""
-    n = len(scores)
-    mean = sum(scores) / n
-    centred = [s - mean for s in scores]
-    if not scale:
-        return centred
-    std = math.sqrt(sum(c * c for c in centred) / n)
-    return [c / std if std > 1e-8 else 0.0 for c in centred]
 
 
 def trained_targets(group: ScoredDataGroup | Rows) -> Targets:

@@ -1,0 +1,90 @@
+"""`fidelity`: score the credit a groups file carries against the policy's exact advantages.
+
+Any trainer's or environment's groups in the Atropos wire format can be read, provided they
+carry our records (deal seeds and decision states): the credit each action got is read as the
+trainer would apply it (measure/fidelity.py), and A^pi is computed with the policy named on the
+command line, which should be the one that sampled the groups.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from blackjack_rl.contract.records import ScoredDataGroup, sequence_records
+from blackjack_rl.measure.fidelity import CreditSample, FidelityScores, credit_samples, exact_truths, score_samples
+from blackjack_rl.measure.probe import node_policy
+from blackjack_rl.policies.base import KnowsItsPolicy
+from blackjack_rl.rollout.players import Player
+
+MAX_LINE_BYTES = 64 * 2**20  # one group a line; a longer line is not a group we wrote
+
+
+@dataclass
+class FidelityRun:
+    scores: dict[str, FidelityScores]  # "all", "first" (first decisions), "after_hit"
+    groups: int
+    histories: int
+    max_width: float  # the widest certified interval of a Q^pi(h, hit) used
+    seconds: float
+    out_file: Path
+
+
+def read_samples(path: Path, player: Player, max_decisions: int, scale: bool) -> tuple[list[CreditSample], int]:
+    """The credit samples of the file's groups, up to `max_decisions`."""
+    samples: list[CreditSample] = []
+    groups = 0
+    table = player.tables.acquire()
+    try:
+        with path.open("rb") as f:
+            for number, line in enumerate(f, start=1):
+                if len(line) > MAX_LINE_BYTES:
+                    raise ValueError(f"{path}:{number}: a line of over {MAX_LINE_BYTES >> 20} MiB is not a group")
+                if not line.strip():
+                    continue
+                try:
+                    data = json.loads(line)
+                    group = ScoredDataGroup.model_validate({**data, "episodes": sequence_records(data) or []})
+                except ValueError as exc:
+                    raise ValueError(f"{path}:{number}: not a group: {str(exc).splitlines()[0]}") from None
+                samples += credit_samples(group, table, player.chat.backend.decode, scale)
+                groups += 1
+                if len(samples) >= max_decisions:
+                    return samples[:max_decisions], groups
+    finally:
+        player.tables.release(table)
+    if not samples:
+        raise ValueError(f"{path}: no valid decision to score (an empty file, or only invalid answers)")
+    return samples, groups
+
+
+async def run_fidelity(path: Path, player: Player, out: Path, *, max_decisions: int = 2_000, budget: int = 1_000,
+                       target_width: float = 0.002, scale: bool = True) -> FidelityRun:
+    t0 = time.perf_counter()
+    samples, groups = read_samples(path, player, max_decisions, scale)
+    settings = player.settings
+    if isinstance(player.policy, KnowsItsPolicy):  # a bot's probabilities cost nothing: cover its trees
+        target_width = 0.0
+    truths = await exact_truths(player.solution, node_policy(player), [s.history for s in samples],
+                                invalid_score=settings.invalid_score, max_turns=settings.max_turns, budget=budget,
+                                target_width=target_width)
+    scores = {
+        "all": score_samples(samples, truths),
+        "first": score_samples([s for s in samples if len(s.history) == 1], truths),
+        "after_hit": score_samples([s for s in samples if len(s.history) > 1], truths),
+    }
+    run = FidelityRun(scores, groups, len(truths), max((t.q_hit_width for t in truths.values()), default=0.0),
+                      time.perf_counter() - t0, out / "fidelity.json")
+    out.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {
+        "groups_file": str(path), "policy": player.policy.generation_params(), "groups": groups,
+        "histories": run.histories, "max_q_hit_width": run.max_width, "budget": budget,
+        "seconds": run.seconds, "scores": {k: v.to_dict() for k, v in scores.items()},
+    }
+    tmp = run.out_file.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(run.out_file)
+    return run
