@@ -478,43 +478,56 @@ def test_ingest_worker_processes_check_and_refuse_like_the_server(tmp_path: Path
         assert uids(c.get("/batch").json()["batch"]) == ["w0", "w1"]
 
 
-def test_a_crashed_ingest_worker_is_replaced_once(monkeypatch) -> None:
-    """Every post in flight when a worker dies gets a 503 to retry; the pool is replaced once,
-    not once per post (which would cancel posts just handed to the new pool), and works after."""
+def test_ingest_workers_check_against_the_registrations_of_the_moment(tmp_path: Path) -> None:
+    """A worker holds the run's registrations it was last sent: a change reaches it with the next post."""
+    with TestClient(create_app(ApiConfig(db_path=tmp_path / "a.sqlite", ingest_workers=1))) as c:
+        start(c, batch_size=8)
+        first = register_env(c, group_size=4)
+        assert c.post("/scored_data", json=make_group(env_id=first, uid="a")).status_code == 200
+        unknown = c.post("/scored_data", json=make_group(env_id=first + 1, uid="b"))
+        assert unknown.status_code == 422 and "is not registered" in unknown.json()["detail"]
+        second = register_env(c, group_size=2)
+        assert second == first + 1
+        assert c.post("/scored_data", json=make_group(n=2, env_id=second, uid="b")).status_code == 200
+        too_big = c.post("/scored_data", json=make_group(env_id=second, uid="c"))  # 4 > its group_size 2
+        assert too_big.status_code == 422 and "registered group_size 2" in too_big.json()["detail"]
+        assert c.post("/scored_data", json=make_group(n=2, env_id=second, uid="c")).status_code == 200
+        assert c.get("/status").json()["queue_size"] == 3
+
+
+def test_a_crashed_ingest_worker_is_replaced_once() -> None:
+    """Every post in flight when a worker dies gets a 503 to retry; the worker is replaced once,
+    not once per post (which would strand posts just handed to the new one), and works after."""
     import os
+    import signal
 
     from blackjack_rl.api.errors import ApiError
     from blackjack_rl.api.ingest import IngestContext
     from blackjack_rl.api.ingest_workers import IngestPool
 
-    made = []
-    original = IngestPool._new_pool
-
-    def counted(self):
-        made.append(original(self))
-        return made[-1]
-
-    monkeypatch.setattr(IngestPool, "_new_pool", counted)
     ctx = IngestContext(batch_size=8, env_group_sizes={0: 4})
     body = json.dumps(make_group(uid="c0")).encode()
 
-    async def run() -> list[Any]:
+    async def run() -> tuple[list[Any], Any, int, int]:
         pool = IngestPool(1)
         await pool.start()
         try:
-            loop = asyncio.get_running_loop()
-            poison = loop.run_in_executor(made[0], os._exit, 3)  # the worker dies before the posts run
-            posts = [pool.prepare(body, "identity", ctx, as_list=False, max_bytes=10**7, with_digest=False)
-                     for _ in range(6)]
-            outcomes = await asyncio.gather(poison, *posts, return_exceptions=True)
+            [first] = pool.pids
+            os.kill(first, signal.SIGKILL)
+            # Handed to the worker before the event loop can see that it is gone.
+            posts = [asyncio.ensure_future(
+                pool.prepare(body, "identity", ctx, as_list=False, max_bytes=10**7, with_digest=i % 2 == 0)
+            ) for i in range(6)]
+            outcomes = await asyncio.gather(*posts, return_exceptions=True)
             after = await pool.prepare(body, "identity", ctx, as_list=False, max_bytes=10**7, with_digest=False)
-            return [*outcomes[1:], after]
+            [second] = pool.pids
+            assert second != first
+            return outcomes, after, pool.replaced, len(pool.pids)
         finally:
-            pool.shutdown()
+            await pool.aclose()
 
-    *during, after = asyncio.run(run())
-    refused = [o for o in during if isinstance(o, ApiError) and o.status == 503]
-    assert refused and all(o in refused or isinstance(o, tuple) for o in during), during  # 503s, or checked by the new pool
-    assert len(made) == 2  # the first pool, and one replacement
+    during, after, replaced, live = asyncio.run(run())
+    assert all(isinstance(o, ApiError) and o.status == 503 and "send it again" in o.detail for o in during), during
+    assert replaced == 1 and live == 1  # one replacement, not one per post
     groups, _ = after
     assert len(groups) == 1

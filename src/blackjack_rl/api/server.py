@@ -91,7 +91,7 @@ def create_app(config: ApiConfig) -> FastAPI:
             await pool.start()
             yield
         finally:
-            await anyio.to_thread.run_sync(pool.shutdown)
+            await pool.aclose()
             await anyio.to_thread.run_sync(runner.stop)
 
     app = FastAPI(
