@@ -193,13 +193,16 @@ def _at(settings, path):
 NEEDS = {"--starts": ["--credit", "step"], "--decisions": ["--credit", "step"], "--continue-with": ["--credit", "step"],
          "--balance-actions": ["--credit", "step"], "--balance-later": ["--credit", "step", "--balance-actions"],
          "--scale-decisions": ["--credit", "step-tokens"],
-         "--format-weight": ["--credit", "step-tokens"]}
+         "--format-weight": ["--credit", "step-tokens"], "--rollouts": ["--credit", "step-rollouts"]}
+# The positional arguments a command needs besides its flags.
+POSITIONAL = {"compare": ["runs/a", "runs/b"], "fidelity": ["groups.jsonl"]}
 
 
 @pytest.mark.parametrize("command", WITH_SETTINGS)
 def test_a_flag_value_reaches_the_resolved_settings(command):
     fields = exposed(command)
-    parse = API.parse_args if command == "api" else (lambda words: MAIN.parse_args([command, *words]))
+    parse = API.parse_args if command == "api" else (
+        lambda words: MAIN.parse_args([command, *POSITIONAL.get(command, []), *words]))
     for option in options_of(parser_of(command)):
         words, expected = sample(option, fields[option.paths[0]])
         words = [*words, *NEEDS.get(option.flag, [])]
@@ -241,7 +244,7 @@ BAD = [(command, *case) for command in COMMANDS for case in _bad_values(command)
 
 @pytest.mark.parametrize(("command", "case", "words", "named"), BAD, ids=[f"{c[0]}-{c[1]}" for c in BAD])
 def test_a_bad_value_is_one_line_and_exit_2(command, case, words, named, tmp_path):
-    extra = ["runs/a", "runs/b"] if command == "compare" else []
+    extra = POSITIONAL.get(command, [])
     proc = subprocess.run([*CLI, command, *extra, *words], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path, env={k: v for k, v in os.environ.items() if not k.startswith("BLACKJACK_RL_")})
     assert proc.returncode == 2, proc.stdout + proc.stderr
