@@ -1,6 +1,20 @@
 """How much GRPO signal each credit scheme gives, per second of rollout.
 
 Run: python bench/bench_credit.py [--deals 12] [--group-size 8] [--temperature 1.0]
+     python bench/bench_credit.py --fidelity [--probes 400]     # credit against the exact A^pi
+
+--fidelity scores each scheme's credit for the first decision of fixed deals against the
+acting policy's exact advantage A^pi(h, a) (measure/fidelity.py), two independent draws per
+decision, with the compute each spent (policy queries: sampled answers or probability readings
+per decision) and its wall time:
+  - exact: the solver's Q*(a) - V_p, as step-counterfactual credits it (no noise, but the
+    advantage of the optimal continuation, not of the policy's);
+  - rollouts K: the reward-only estimate of step-rollouts, K rollouts per action;
+  - outcome GRPO G: whole episodes scored by the table's reward, G per deal, each decision
+    credited with its episode's group-normalised score.
+The policy is a soft optimal bot (P(optimal action) 0.75), whose exact probabilities are known,
+so the truth and the rollouts' continuation cost no model; with a model each query is one
+forward of a prompt's new tokens.
 
 For whole-episode groups scored by `outcome` and by `expected` (the same rollouts,
 both scores recorded) and for step groups (one group per decision, scored by Q*):
@@ -29,6 +43,7 @@ from blackjack_rl.rollout.players import build_player
 from blackjack_rl.rollout.runner import group_seeds
 from blackjack_rl.rollout.stepgroups import play_step_groups
 from blackjack_rl.contract.tokens import MASKED
+from blackjack_rl.game.table import HIT, STICK
 
 
 class EpsilonBot(OptimalBot):
@@ -78,14 +93,97 @@ def run(player: Player, label: str, deals: int, group_size: int) -> None:
     print(f"[{label}] step groups, Q*      : {_stats(rows, seconds)}")
 
 
+class SoftBot(OptimalBot):
+    """The optimal action with probability 0.75, the other with 0.25, as its `hit_probability` says."""
+
+    name = "soft-optimal-0.75"
+
+    def hit_probability(self, observation, natural: bool) -> float:
+        return 0.75 if super().hit_probability(observation, natural) else 0.25
+
+    def choose(self, turn):
+        return HIT if random.Random(turn.seed).random() < self.hit_probability(turn.observation, turn.natural) else STICK
+
+
+def fidelity(player: Player, probes: int) -> None:
+    from blackjack_rl.game.table import Table
+    from blackjack_rl.measure.fidelity import CreditSample, exact_truths, score_samples, credit_samples
+    from blackjack_rl.measure.probe import node_policy
+    from blackjack_rl.rollout.estimates import CallMemo, estimate_q
+    from blackjack_rl.rollout.episodes import opening_messages
+
+    table = Table()
+    seeds = group_seeds(77, probes)
+    deals = []
+    for seed in seeds:
+        obs = table.reset(seed)
+        deals.append((seed, obs, table.player_hand, table.player_is_natural))
+    truths = asyncio.run(exact_truths(player.solution, node_policy(player), [(o,) for _, o, _, _ in deals],
+                                      invalid_score=-1.0, max_turns=10, budget=200_000, target_width=0.0))
+    rows = []
+
+    def p_of(obs, natural):
+        h = player.policy.hit_probability(obs, natural)
+        return {HIT: h, STICK: 1.0 - h}
+
+    def add(label, samples, queries, seconds):
+        s = score_samples(samples, truths)
+        rows.append((label, queries / probes, seconds, s))
+
+    t0 = time.perf_counter()
+    samples = []
+    for seed, obs, _, natural in deals:
+        q, p = player.solution.q_values(obs, natural), p_of(obs, natural)
+        v = p[HIT] * q[1] + p[STICK] * q[0]
+        for draw in (0, 1):
+            samples += [CreditSample((obs,), a, (q[1] if a == HIT else q[0]) - v, draw) for a in (HIT, STICK)]
+    add("exact Q* (step-counterfactual)", samples, probes, time.perf_counter() - t0)
+
+    for k in (4, 16, 64):
+        t0, queries, samples = time.perf_counter(), 0, []
+        for seed, obs, hand, natural in deals:
+            prompt = player.chat.prompt_ids(opening_messages(obs))
+            p = p_of(obs, natural)
+            for draw in (0, 1):
+                est = asyncio.run(estimate_q(player, CallMemo(), prompt, hand, obs, seed + draw * 2**33, 0, k))
+                queries += 1 + est.continuation_prompts
+                v = p[HIT] * est.q_hit + p[STICK] * est.q_stick
+                samples += [CreditSample((obs,), a, (est.q_hit if a == HIT else est.q_stick) - v, draw)
+                            for a in (HIT, STICK)]
+        add(f"rollouts K={k} (step-rollouts)", samples, queries, time.perf_counter() - t0)
+
+    decode = player.chat.backend.decode
+    for g in (8, 32):
+        t0, queries, samples = time.perf_counter(), 0, []
+        for seed, _, _, _ in deals:
+            result = asyncio.run(play_group(player, seed, GroupConfig(group_size=g)))
+            queries += sum(len(ep.decisions) for ep in result.episodes)
+            if result.group is not None:
+                samples += [s for s in credit_samples(result.group, table, decode) if len(s.history) == 1]
+        add(f"outcome GRPO G={g} (episode)", samples, queries, time.perf_counter() - t0)
+
+    print(f"| scheme | queries per decision | seconds | sign, |A|-weighted | sign, |A| >= 0.01 | correlation "
+          f"| bias | noise | decisions |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, q, sec, s in rows:
+        print(f"| {label} | {q:.1f} | {sec:.1f} | {s.sign_weighted:.3f} | {s.sign_clear:.3f} | {s.correlation:.3f} "
+              f"| {s.bias:+.4f} | {s.noise:.3f} | {s.decisions} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fidelity", action="store_true", help="the fidelity table (see above) instead")
+    ap.add_argument("--probes", type=int, default=400, help="--fidelity: fixed deals whose first decision is scored")
     ap.add_argument("--deals", type=int, default=12)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--bot-deals", type=int, default=2000)
     args = ap.parse_args()
     bot_player = build_player(load_settings(overrides={"policy": {"kind": "optimal"}}))
+    if args.fidelity:
+        bot_player.policy = SoftBot(bot_player.solution)
+        fidelity(bot_player, args.probes)
+        return
     bot_player.policy = EpsilonBot(bot_player.solution)
     run(bot_player, "epsilon bot", args.bot_deals, args.group_size)
     embedded = build_player(load_settings(overrides={"policy": {"temperature": args.temperature}}))
