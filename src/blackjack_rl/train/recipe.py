@@ -163,7 +163,24 @@ def parse_recipe(text: str, source: str = "recipe") -> Recipe:
         if phase.stop_when is not None and not settings.train.grid_every:
             raise ValueError(f"recipe {recipe.name}, phase {phase.name}: stop_when reads the chart, which "
                              "train.grid_every 0 never draws")
+        if recipe.signal == "table":
+            _reward_only(recipe, phase, settings)
     return recipe
+
+
+def _reward_only(recipe: Recipe, phase: Phase, settings: Settings) -> None:
+    """A recipe whose signal is the table's rewards: no phase's credit, states, weights or end
+    may come from the solver (groups.credit step-rollouts refuses the state choices itself)."""
+    g, why = settings.groups, None
+    if g.credit == "episode" and settings.episode.scoring != "outcome":
+        why = f"episode.scoring {settings.episode.scoring} scores by V* and the regret of each decision"
+    elif g.credit not in ("episode", "step-rollouts"):
+        why = f"groups.credit {g.credit} credits decisions by Q*"
+    elif phase.stop_when is not None:
+        why = "stop_when ends the phase on the chart, which the solver measures"
+    if why:
+        raise ValueError(f"recipe {recipe.name}, phase {phase.name}: signal table takes only the table's rewards, "
+                         f"but {why} (use groups.credit step-rollouts, or episode with outcome scoring)")
 
 
 def _only_training_options(recipe: Recipe) -> None:
