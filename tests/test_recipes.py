@@ -94,6 +94,30 @@ def test_a_recipe_that_sets_what_it_may_not_is_one_line(tmp_path, overlay, says)
     assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
+@pytest.mark.parametrize("groups, episode, says", [
+    ({"credit": "step-counterfactual", "group_size": 0}, {}, "groups.credit step-counterfactual credits decisions by Q*"),
+    ({"credit": "episode"}, {"scoring": "expected"}, "episode.scoring expected"),
+    ({"credit": "step-rollouts", "starts": "chart"}, {}, "--starts chart chooses or weighs states by the solver"),
+])
+def test_a_reward_only_recipe_refuses_every_phase_the_solver_would_credit(tmp_path, groups, episode, says):
+    recipe = {"name": "leaky", "version": 1, "signal": "table", "summary": "x",
+              "phases": [{"name": "one", "steps": 1, "settings": {"groups": groups, "episode": episode}}]}
+    (tmp_path / "leaky.yaml").write_text(yaml.safe_dump(recipe))
+    run = run_cli("train", "--recipe", str(tmp_path / "leaky.yaml"), "--dry-run", cwd=tmp_path)
+    assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_the_reward_only_recipe_is_reward_only():
+    from blackjack_rl.train.recipe import parse_recipe, phase_settings
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "training" / "reward-only" / "recipe.yaml"
+    recipe = parse_recipe(path.read_text(), str(path))
+    assert recipe.signal == "table"
+    for i, _ in enumerate(recipe.phases):
+        g = phase_settings(recipe, i).groups
+        assert g.credit == "step-rollouts" and g.starts == "uniform" and not g.balance_actions
+
+
 def _small_recipe(path: Path, model: str | None, second_steps: int, episodes: int) -> Path:
     common = {"policy": {"max_tokens": 8}, "groups": {"credit": "step-counterfactual", "group_size": 0,
                                                         "starts": "chart"},
