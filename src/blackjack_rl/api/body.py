@@ -10,6 +10,9 @@ from __future__ import annotations
 import zlib
 from collections.abc import AsyncIterator
 
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive
+
 from blackjack_rl.api.errors import ApiError
 
 _GZIP_WBITS = 16 + zlib.MAX_WBITS
@@ -28,8 +31,8 @@ def _too_large(limit: int, what: str) -> ApiError:
     )
 
 
-async def read_limited(stream: AsyncIterator[bytes], content_length: str | None, limit: int) -> bytes:
-    """The raw body, refusing early (from Content-Length) or as soon as it passes `limit`."""
+def check_declared_length(content_length: str | None, limit: int) -> None:
+    """Refuse a body by its Content-Length before reading any of it."""
     if content_length is not None:
         try:
             declared = int(content_length)
@@ -37,6 +40,11 @@ async def read_limited(stream: AsyncIterator[bytes], content_length: str | None,
             raise ApiError(400, f"Content-Length {content_length!r} is not a number") from None
         if declared > limit:
             raise _too_large(limit, f"body of {declared} bytes")
+
+
+async def read_limited(stream: AsyncIterator[bytes], content_length: str | None, limit: int) -> bytes:
+    """The raw body, refusing early (from Content-Length) or as soon as it passes `limit`."""
+    check_declared_length(content_length, limit)
     chunks: list[bytes] = []
     size = 0
     async for chunk in stream:
@@ -45,6 +53,27 @@ async def read_limited(stream: AsyncIterator[bytes], content_length: str | None,
             raise _too_large(limit, "body")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def receive_limited(receive: Receive, content_length: str | None, limit: int) -> bytes:
+    """`read_limited` straight from ASGI messages (as Starlette's request.stream() reads them)."""
+    check_declared_length(content_length, limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.request":
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit, "body")
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        elif message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def content_coding(header: str | None) -> str:

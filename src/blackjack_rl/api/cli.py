@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve(config: ApiConfig) -> int:
     import uvicorn
 
+    from blackjack_rl.api.malloc import keep_freed_memory
     from blackjack_rl.api.server import create_app
     from blackjack_rl.api.store import Store
 
@@ -72,6 +73,7 @@ def serve(config: ApiConfig) -> int:
         detail = f"{exc} (is it a trajectory API database, and not damaged?)" if isinstance(exc, sqlite3.Error) else exc
         print(f"error: {detail}", file=sys.stderr)
         return 1
+    keep_freed_memory()  # this process is the server's: page faults cost it more than memory kept
     uvicorn.run(
         create_app(config),
         host=config.host,

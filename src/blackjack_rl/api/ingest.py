@@ -44,6 +44,8 @@ FMT_ZLIB = 1  # zlib-compressed JSON object
 FMT_GZIP_OBJECT = 2  # the client's gzip body, a JSON object
 FMT_GZIP_LIST1 = 3  # the client's gzip body, a JSON list holding one object
 
+#: Largest buffer a stored payload's own size hint may ask for at once (zlib grows it beyond).
+_MAX_HINT = 64 * 1024 * 1024
 #: Groups in one /scored_data_list post: queueing them is one transaction that other writers wait for.
 MAX_GROUPS_PER_POST = 4096
 _GROUP_LIST = TypeAdapter(list[ScoredGroup])
@@ -145,7 +147,10 @@ def payload_parts(fmt: int, data: bytes, suffix: bytes = b"") -> list[bytes | me
         text = zlib.decompress(data)
         start, end = 0, len(text)
     elif fmt in (FMT_GZIP_OBJECT, FMT_GZIP_LIST1):
-        text = zlib.decompress(data, 16 + zlib.MAX_WBITS)
+        # A single gzip stream, checked when it was posted, ends with its decompressed size
+        # (mod 2**32): one buffer of that size, not one grown and copied as zlib goes.
+        size = int.from_bytes(data[-4:], "little") if len(data) >= 4 else 0
+        text = zlib.decompress(data, 16 + zlib.MAX_WBITS, min(size, _MAX_HINT) + 1)
         start, end = _strip(text, 0, len(text))
         if fmt == FMT_GZIP_LIST1:  # the client's `[ {...} ]`
             start, end = _strip(text, start + 1, end - 1)

@@ -8,7 +8,7 @@ anything and tests can start as many as they like.
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -18,9 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from blackjack_rl.api.body import content_coding, gunzip_limited, read_limited
+from blackjack_rl.api.body import content_coding, gunzip_limited, read_limited, receive_limited
 from blackjack_rl.api.errors import ApiError
 from blackjack_rl.api.ingest import decode_payload, payload_parts
 from blackjack_rl.api.ingest_workers import IngestPool
@@ -69,7 +70,60 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def create_app(config: ApiConfig) -> FastAPI:
+#: The ingest endpoints, and whether each takes a list of groups.
+_INGEST_PATHS = {"/scored_data": False, "/scored_data_list": True}
+IngestHandler = Callable[[Scope, Receive, Send, bool], Awaitable[None]]
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the router matches: without the root path the app may be mounted under."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] == "/":
+        return path[len(root) :]
+    return path
+
+
+class TrajectoryApp(FastAPI):
+    """FastAPI, with the ingest endpoints answered straight from ASGI when nothing else applies.
+
+    Posting groups is what the API does thousands of times a second, and FastAPI's layers
+    (its middleware stack, routing, the request object, serialising the answer) cost about
+    as much as the rest of the server's work on a post. A POST to /scored_data or
+    /scored_data_list skips them when none of them would change the answer: the bearer
+    token, if one is configured, is the right one (a wrong one gets its 401 from the
+    middleware), CORS is off or the request has no Origin header, and FastAPI's own
+    OpenTelemetry instrumentation is off. Everything else, and every other endpoint, takes
+    the full stack; both paths run the same `ingest` and answer with the same bytes.
+    """
+
+    fast_ingest: IngestHandler | None = None
+    fast_token: bytes | None = None
+    fast_cors: bool = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and self.fast_ingest is not None:
+            as_list = _INGEST_PATHS.get(_route_path(scope))
+            if as_list is not None and self._fast_path_applies(scope):
+                await self.fast_ingest(scope, receive, send, as_list)
+                return
+        await super().__call__(scope, receive, send)
+
+    def _fast_path_applies(self, scope: Scope) -> bool:
+        if self.fast_token is not None or self.fast_cors:
+            given = b""
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    given = given or value
+                elif name == b"origin" and self.fast_cors:
+                    return False
+            if self.fast_token is not None and not hmac.compare_digest(given, self.fast_token):
+                return False
+        telemetry = getattr(self, "_native_telemetry", None)  # FastAPI >= 0.13x
+        return telemetry is None or not telemetry.enabled()
+
+
+def create_app(config: ApiConfig) -> TrajectoryApp:
     """A new trajectory API app for `config` (serve it with uvicorn, or test it in-process)."""
 
     @asynccontextmanager
@@ -94,7 +148,7 @@ def create_app(config: ApiConfig) -> FastAPI:
             await pool.aclose()
             await anyio.to_thread.run_sync(runner.stop)
 
-    app = FastAPI(
+    app = TrajectoryApp(
         title="blackjack-rl trajectory API",
         description="Atropos-compatible trajectory API: a durable, bounded queue of scored groups.",
         lifespan=lifespan,
@@ -193,8 +247,7 @@ def create_app(config: ApiConfig) -> FastAPI:
         rows = await runner.call(lambda s: s.next_batch(ack))
         if rows is None:
             return Response(b'{"batch":null}', media_type="application/json")
-        body = await anyio.to_thread.run_sync(_batch_body, rows)
-        return Response(body, media_type="application/json")
+        return _ChunksResponse(await anyio.to_thread.run_sync(_batch_chunks, rows))
 
     @app.get("/latest_example")
     async def latest_example(request: Request) -> Response:
@@ -203,10 +256,9 @@ def create_app(config: ApiConfig) -> FastAPI:
             return JSONResponse(_EMPTY_EXAMPLE)
         return Response(await anyio.to_thread.run_sync(decode_payload, *latest), media_type="application/json")
 
-    async def ingest(request: Request, as_list: bool) -> dict[str, Any]:
-        runner = runner_of(request)
-        raw, coding = await read_body(request)
-        key = request.headers.get("idempotency-key")
+    async def ingest(
+        runner: StoreRunner, pool: IngestPool, raw: bytes, coding: str, key: str | None, as_list: bool
+    ) -> dict[str, Any]:
         if key is not None and not 0 < len(key) <= _MAX_IDEMPOTENCY_KEY:
             raise ApiError(400, f"Idempotency-Key must be 1 to {_MAX_IDEMPOTENCY_KEY} characters")
         if runner.store.queued_sequences_hint >= config.max_queued_sequences:
@@ -218,7 +270,6 @@ def create_app(config: ApiConfig) -> FastAPI:
                 {"Retry-After": str(config.retry_after_s)},
             )
         ctx = runner.store.context
-        pool: IngestPool = request.app.state.pool
         groups, digest = await pool.prepare(
             raw, coding, ctx, as_list=as_list, max_bytes=config.max_body_bytes, with_digest=key is not None
         )
@@ -226,13 +277,50 @@ def create_app(config: ApiConfig) -> FastAPI:
             lambda s: s.enqueue(groups, as_list=as_list, idempotency_key=key, generation=ctx.generation, digest=digest)
         )
 
+    async def ingest_request(request: Request, as_list: bool) -> dict[str, Any]:
+        raw, coding = await read_body(request)
+        return await ingest(
+            runner_of(request), request.app.state.pool, raw, coding, request.headers.get("idempotency-key"), as_list
+        )
+
+    async def fast_ingest(scope: Scope, receive: Receive, send: Send, as_list: bool) -> None:
+        """`ingest_request` without FastAPI (see TrajectoryApp): the same checks, answers and errors."""
+        length = encoding = key = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = length if length is not None else value.decode("latin-1")
+            elif name == b"content-encoding":
+                encoding = encoding if encoding is not None else value.decode("latin-1")
+            elif name == b"idempotency-key":
+                key = key if key is not None else value.decode("latin-1")
+        state = app.state
+        try:
+            try:
+                raw = await receive_limited(receive, length, config.max_body_bytes)
+            except ClientDisconnect:
+                return  # nobody is left to answer
+            response: Response = JSONResponse(
+                await ingest(state.runner, state.pool, raw, content_coding(encoding), key, as_list)
+            )
+        except ApiError as exc:
+            response = await _api_error(None, exc)  # type: ignore[arg-type]
+        except Exception:
+            # What Starlette's ServerErrorMiddleware answers; uvicorn logs the exception.
+            await PlainTextResponse("Internal Server Error", status_code=500)(scope, receive, send)
+            raise
+        await response(scope, receive, send)
+
+    app.fast_ingest = fast_ingest
+    app.fast_token = f"Bearer {token}".encode() if token else None
+    app.fast_cors = bool(config.cors_origins)
+
     @app.post("/scored_data")
     async def scored_data(request: Request) -> dict[str, Any]:
-        return await ingest(request, as_list=False)
+        return await ingest_request(request, as_list=False)
 
     @app.post("/scored_data_list")
     async def scored_data_list(request: Request) -> dict[str, Any]:
-        return await ingest(request, as_list=True)
+        return await ingest_request(request, as_list=True)
 
     async def reset(request: Request) -> Response:
         if not token:
@@ -248,19 +336,53 @@ def create_app(config: ApiConfig) -> FastAPI:
     return app
 
 
-def _batch_body(rows: BatchRows) -> bytes:
-    # One join: a batch is megabytes, and each extra concatenation copies all of it under the GIL.
-    parts: list[bytes | memoryview] = [b'{"batch":[']
+#: Pieces of a batch at least this large are sent as they are; smaller ones are joined first.
+_SENT_WHOLE = 32 * 1024
+
+
+def _batch_chunks(rows: BatchRows) -> list[bytes | memoryview]:
+    """The body of GET /batch as chunks to send one after the other.
+
+    Each group's decompressed JSON is sent from its own buffer: joining them would copy the
+    whole batch (megabytes) into a fresh allocation, which costs more in page faults than the
+    copy itself. Only the small pieces between groups are joined.
+    """
+    chunks: list[bytes | memoryview] = []
+    small: list[bytes | memoryview] = [b'{"batch":[']
     for i, (fmt, data, suffix) in enumerate(rows.payloads):
         if i:
-            parts.append(b",")
-        parts += payload_parts(fmt, data, suffix)
-    parts.append(b'],"batch_id":%d,"step":%d,"redelivered":%s}' % (
+            small.append(b",")
+        for part in payload_parts(fmt, data, suffix):
+            if len(part) >= _SENT_WHOLE:
+                if small:
+                    chunks.append(b"".join(small))
+                    small = []
+                chunks.append(part)
+            else:
+                small.append(part)
+    small.append(b'],"batch_id":%d,"step":%d,"redelivered":%s}' % (
         rows.batch_id,
         rows.step,
         b"true" if rows.redelivered else b"false",
     ))
-    return b"".join(parts)
+    chunks.append(b"".join(small))
+    return chunks
+
+
+class _ChunksResponse(Response):
+    """A JSON body sent as the chunks it is made of, with its Content-Length (no copy into one buffer)."""
+
+    media_type = "application/json"
+
+    def __init__(self, chunks: list[bytes | memoryview]) -> None:
+        self.chunks = chunks
+        super().__init__(headers={"content-length": str(sum(len(c) for c in chunks))})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        last = len(self.chunks) - 1
+        for i, chunk in enumerate(self.chunks):
+            await send({"type": "http.response.body", "body": chunk, "more_body": i < last})
 
 
 def _request_error(exc: ValidationError, what: str) -> ApiError:
@@ -274,4 +396,4 @@ def _request_error(exc: ValidationError, what: str) -> ApiError:
     return ApiError(422, f"{what}: " + "; ".join(parts))
 
 
-__all__ = ["ApiConfig", "create_app"]
+__all__ = ["ApiConfig", "TrajectoryApp", "create_app"]
