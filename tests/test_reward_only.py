@@ -169,3 +169,59 @@ def test_no_solver_output_reaches_reward_only_training(tiny_model_dir, tmp_path)
     assert len(runs["real"][0]) == 3
     assert runs["real"][0] == runs["random"][0]
     assert runs["real"][1] == runs["random"][1]
+
+
+class _Recorder:
+    """A policy that scores every call alike and records the prompts it was asked at."""
+
+    name = "recorder"
+    temperature = 1.0
+
+    def __init__(self, p_call: float = 0.4) -> None:
+        self.prompts: list[tuple[int, ...]] = []
+        self.p_call = p_call
+
+    async def answer_logprobs(self, prompt_ids, answers, temperature=None):
+        return (await self.answer_logprobs_many([(prompt_ids, answers)]))[0]
+
+    async def answer_logprobs_many(self, items, temperature=None, same_kernels=True):
+        self.prompts += [tuple(p) for p, _ in items]
+        return [[[math.log(self.p_call)] + [0.0] * (len(a) - 1) for a in answers] for _, answers in items]
+
+    def generation_params(self):
+        return {}
+
+    async def respond(self, turn):
+        raise NotImplementedError
+
+    async def aclose(self):
+        pass
+
+
+@pytest.mark.parametrize("continuation", ["history", "chart"])
+def test_the_continuation_asks_the_policy_where_it_says(solution, vocab_chat, continuation):
+    """history: at the game's own prompt after each hit (the decision's prompt, the hit call, the
+    new hand); chart: at the new hand's opening prompt. Each prompt is scored once per memo, and
+    P(invalid) = 0.2 here counts as a forfeit in the estimate."""
+    from blackjack_rl.rollout.episodes import opening_messages
+
+    policy = _Recorder()
+    player = Player(policy, vocab_chat, solution)
+    obs = Observation(8, 10, False)
+    prompt = vocab_chat.prompt_ids(opening_messages(obs))
+    memo = CallMemo()
+    est = asyncio.run(estimate_q(player, memo, prompt, [5, 3], obs, 5, 0, 32, continuation))
+    assert policy.prompts and len(policy.prompts) == len(set(policy.prompts)) == memo.scored
+    openings = {tuple(vocab_chat.prompt_ids(opening_messages(Observation(s, 10, u)))) for s in range(4, 22)
+                for u in (False, True) if not u or s >= 12}
+    for p in policy.prompts:
+        if continuation == "chart":
+            assert p in openings
+        else:
+            assert p[: len(prompt)] == tuple(prompt) and len(p) > len(prompt)
+    again = asyncio.run(estimate_q(player, memo, prompt, [5, 3], obs, 5, 0, 32, continuation))
+    assert again.q == est.q and memo.scored == len(policy.prompts)  # all from the memo
+    # a policy that (almost) never writes a call forfeits after every hit: its mass is not renormalised
+    player = Player(_Recorder(1e-12), vocab_chat, solution)
+    assert asyncio.run(estimate_q(player, CallMemo(), prompt, [5, 3], obs, 5, 0, 32, continuation)).q_hit == \
+        pytest.approx(-1.0, abs=1e-9)

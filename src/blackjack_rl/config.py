@@ -208,6 +208,11 @@ class GroupConfig(_Section):
                             "state, hit-optimal or stick-optimal with equal chance (exploring starts, for training); "
                             "uniform: in a chart state drawn uniformly, whatever its optimal action")
     rollouts: int = Field(16, ge=1, le=1024, description="step-rollouts: rollouts per action at each decision (K)")
+    rollout_continuation: Literal["history", "chart"] = Field(
+        "history", description="step-rollouts: how the policy plays on after a hit: history: asked at the prompt "
+                               "the game would show (its own Q^pi); chart: asked at the new hand's opening prompt, "
+                               "as if it were a first decision (a Markov projection of the policy, whose prompts "
+                               "repeat across steps, so the trainer's frozen trunk caches them)")
     decisions: Literal["all", "first"] = Field(
         "all", description="step modes: all: a group at every decision of a deal; first: at its first decision only "
                            "(later prompts carry the game's history)")
@@ -240,8 +245,9 @@ class GroupConfig(_Section):
                 if getattr(self, name) != defaults[name].default:
                     raise ValueError(f"--{name.replace('_', '-')} weighs per-token advantages: use --credit "
                                      f"episode-tokens, step-tokens or step-counterfactual (not {mode})")
-        if mode != "step-rollouts" and self.rollouts != defaults["rollouts"].default:
-            raise ValueError(f"--rollouts sets the rollouts of --credit step-rollouts (not {mode})")
+        for name in ("rollouts", "rollout_continuation"):
+            if mode != "step-rollouts" and getattr(self, name) != defaults[name].default:
+                raise ValueError(f"--{name.replace('_', '-')} sets the rollouts of --credit step-rollouts (not {mode})")
         if mode == "step-rollouts":
             for name, value in SOLVER_CHOICES.items():
                 if getattr(self, name) == value:

@@ -13,7 +13,9 @@ mean of the rewards it got: nothing of the solver enters, only what `Table` pays
   two calls at the history prompt (the canonical hit call, then the new hand), not a sample:
   on rollout k's cards the hand's value is P(stick) * (the stick's reward) + P(hit) * (the next
   hit's value) + P(invalid) * the invalid score. The invalid mass is a forfeit, never
-  renormalised away. A bot continues with its exact P(hit).
+  renormalised away. A bot continues with its exact P(hit). With `continuation` "chart" the
+  model is asked at the new hand's opening prompt instead (a Markov projection of the policy,
+  labelled as such wherever it is used): those 280 prompts repeat, where histories do not.
 
 The estimate is of the policy's own Q^pi at the history, whose expectation over k is exact.
 Repeated continuation prompts are scored once per memo (a training step: the weights change
@@ -31,6 +33,7 @@ from typing import Sequence
 from blackjack_rl.contract.protocol import HIT, STICK, observation_text, tool_call_text
 from blackjack_rl.game.table import Observation, Table
 from blackjack_rl.policies.base import KnowsItsPolicy, ScoresAnswers
+from blackjack_rl.rollout.episodes import opening_messages
 from blackjack_rl.rollout.players import Player
 
 MEMO_LIMIT = 200_000  # continuation prompts kept before the memo starts over (~a step's worth, bounded)
@@ -70,9 +73,13 @@ def rollout_seed(deal: int, decision: int, k: int) -> list[int]:
 
 
 async def estimate_q(player: Player, memo: CallMemo, prompt: Sequence[int], hand: list[int], observation: Observation,
-                     deal: int, decision: int, k: int) -> QEstimate:
+                     deal: int, decision: int, k: int, continuation: str = "history") -> QEstimate:
     """Q^pi(h, stick) and Q^pi(h, hit) at the decision whose prompt is `prompt` (answers so far:
-    `decision`), from `k` rollouts of the hand `hand` against the dealer's up card."""
+    `decision`), from `k` rollouts of the hand `hand` against the dealer's up card.
+
+    `continuation` "chart" asks the policy after a hit at the new hand's opening prompt instead
+    of the game's: the value of the policy's Markov projection (the chart it plays at first
+    decisions, applied at every decision), not of the policy itself."""
     if k < 1:
         raise ValueError(f"rollouts must be at least 1, got {k}")
     table = player.tables.acquire()
@@ -82,12 +89,16 @@ async def estimate_q(player: Player, memo: CallMemo, prompt: Sequence[int], hand
         player.tables.release(table)
     hit_ids = player.chat.answer_ids(tool_call_text(HIT))
     prompts: dict[tuple[Observation, ...], list[int]] = {}
+    chart = continuation == "chart"
     for path in paths:
         ids = list(prompt)
         for depth, obs in enumerate(path.hands, start=1):
-            ids = [*ids, *hit_ids, *player.chat.next_turn_ids(observation_text(*obs))]
             if decision + depth >= player.settings.max_turns:
                 break  # the turn limit ends the game after this hit: no prompt is asked
+            if chart:
+                ids = player.chat.prompt_ids(opening_messages(obs, player.settings.thinking))
+            else:
+                ids = [*ids, *hit_ids, *player.chat.next_turn_ids(observation_text(*obs))]
             prompts.setdefault(path.hands[:depth], ids)
     keys = list(prompts)
     probs = dict(zip(keys, await _call_probabilities(player, memo, [prompts[h] for h in keys], [h[-1] for h in keys])))

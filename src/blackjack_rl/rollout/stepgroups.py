@@ -134,7 +134,7 @@ async def _decide(player: Player, config: GroupConfig, env: BlackjackEnv, game: 
     estimate = None
     if config.credit == "step-rollouts":  # the credit's values come from the table alone; Q* stays on the record
         estimate = await estimate_q(player, memo or CallMemo(), prompt, env.table.player_hand, obs, env.play.seed,
-                                    env.turn, config.rollouts)
+                                    env.turn, config.rollouts, config.rollout_continuation)
     credit_q = estimate.q if estimate is not None else q
     parsed = [parse_action(r.text, r.tool_calls) if i < n else parse_action(r.text) for i, r in enumerate(replies)]
     scores = [(credit_q[p.action] + settings.format_bonus) if p.valid else settings.invalid_score for p in parsed]
@@ -156,6 +156,7 @@ async def _decide(player: Player, config: GroupConfig, env: BlackjackEnv, game: 
     if env.turn:
         group.episodes[0].history = [list(d.state) for d in env.play.decisions]
     if estimate is not None:
+        group.generation_params.update(rollouts=estimate.k, rollout_continuation=config.rollout_continuation)
         group.episodes[0].q_estimate = {"stick": estimate.q_stick, "hit": estimate.q_hit}
         group.episodes[0].rollouts = estimate.k
     if config.token_advantages:
