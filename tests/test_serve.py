@@ -261,3 +261,44 @@ def test_a_damaged_place_in_the_deal_stream_is_one_line(tmp_path):
     serve = start_serve("http://127.0.0.1:9", tmp_path / "w", "--register-timeout", "1")
     out, _ = serve.communicate(timeout=60)
     assert serve.returncode == 2 and "serve_state.json" in out and "Traceback" not in out, out
+
+
+@pytest.mark.embedded
+def test_a_trainer_gets_exactly_the_rollout_credit_the_worker_computed(tmp_path):
+    """`serve --credit step-rollouts` computes the reward-only credit in the worker (with its own
+    fixed model, so the credit is of that policy); a trainer pulling the groups reads exactly
+    those per-token advantages: on each forced call's action word p(a) * (Q^(a) - V_p), with
+    the estimates Q^ the group records."""
+    from blackjack_rl.contract.tokens import trained_spans
+    from blackjack_rl.train.groups import read_group
+
+    api = ServerProcess(tmp_path / "api.sqlite").start()
+    try:
+        trainer = TrainerClient(api.url)
+        trainer.register({**ATROPOS_REGISTRATION, "batch_size": 4})
+        serve = popen_cli("serve", "--api-url", api.url, "--out", str(tmp_path / "w"), "--quiet", "--worker-id", "w1",
+                          "--seed", "5", "--credit", "step-rollouts", "--group-size", "0", "--rollouts", "4",
+                          "--starts", "uniform", "--decisions", "first", "--format-weight", "0", "--max-groups", "4")
+        seen = Pulled()
+        pull(trainer, 4, seen, attempts=3000)
+        out, _ = serve.communicate(timeout=600)
+        assert serve.returncode == 0, out
+        assert len(seen) >= 4
+        nonzero = 0
+        for g in seen:
+            first = g["episodes"][0]
+            q, p = first["q_estimate"], first["p_call"]
+            assert first["rollouts"] == 4 and g["generation_params"]["rollout_continuation"] == "history"
+            v = p["hit"] * q["hit"] + p["stick"] * q["stick"]
+            typed = read_group(g)
+            assert typed.advantages == g["advantages"]  # what the trainer trains on is what was sent
+            for row, masks, record in zip(typed.advantages, typed.masks, g["episodes"]):
+                (start, end), = trained_spans(masks)
+                credit = [a for a in row[start:end] if a != 0.0]
+                expected = p[record["action"]] * (q[record["action"]] - v)
+                assert all(c == pytest.approx(expected, rel=1e-9, abs=1e-15) for c in credit)
+                assert bool(credit) == (expected != 0.0), (credit, expected)
+                nonzero += bool(credit)
+        assert nonzero  # some decision's two calls were valued apart
+    finally:
+        api.kill()
