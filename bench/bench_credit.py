@@ -105,7 +105,34 @@ class SoftBot(OptimalBot):
         return HIT if random.Random(turn.seed).random() < self.hit_probability(turn.observation, turn.natural) else STICK
 
 
-def fidelity(player: Player, probes: int) -> None:
+def _plot(rows, path: str) -> None:
+    """Fidelity against compute: correlation and clear-sign agreement per scheme."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    families = {"exact": "o", "rollouts": "s", "outcome": "^"}
+    for family, marker in families.items():
+        mine = [r for r in rows if r[0].startswith(family)]
+        xs = [r[1] for r in mine]
+        axes[0].plot(xs, [r[3].correlation for r in mine], marker=marker, label=family)
+        axes[1].plot(xs, [r[3].sign_clear for r in mine], marker=marker, label=family)
+        for r in mine:
+            axes[0].annotate(r[0].split(" (")[0].replace(family, "").strip(), (r[1], r[3].correlation), fontsize=7)
+    for ax, title in zip(axes, ("correlation with A^pi", "sign agreement, |A^pi| >= 0.01")):
+        ax.set_xscale("log")
+        ax.set_xlabel("policy queries per decision")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Credit against the exact advantage (soft optimal bot, first decisions of 400 deals)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def fidelity(player: Player, probes: int, plot: str | None = None) -> None:
     from blackjack_rl.game.table import Table
     from blackjack_rl.measure.fidelity import CreditSample, exact_truths, score_samples, credit_samples
     from blackjack_rl.measure.probe import node_policy
@@ -162,6 +189,8 @@ def fidelity(player: Player, probes: int) -> None:
                 samples += [s for s in credit_samples(result.group, table, decode) if len(s.history) == 1]
         add(f"outcome GRPO G={g} (episode)", samples, queries, time.perf_counter() - t0)
 
+    if plot is not None:
+        _plot(rows, plot)
     print(f"| scheme | queries per decision | seconds | sign, |A|-weighted | sign, |A| >= 0.01 | correlation "
           f"| bias | noise | decisions |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -174,6 +203,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fidelity", action="store_true", help="the fidelity table (see above) instead")
     ap.add_argument("--probes", type=int, default=400, help="--fidelity: fixed deals whose first decision is scored")
+    ap.add_argument("--plot", metavar="PNG", help="--fidelity: also draw fidelity against compute")
     ap.add_argument("--deals", type=int, default=12)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -182,7 +212,7 @@ def main() -> None:
     bot_player = build_player(load_settings(overrides={"policy": {"kind": "optimal"}}))
     if args.fidelity:
         bot_player.policy = SoftBot(bot_player.solution)
-        fidelity(bot_player, args.probes)
+        fidelity(bot_player, args.probes, args.plot)
         return
     bot_player.policy = EpsilonBot(bot_player.solution)
     run(bot_player, "epsilon bot", args.bot_deals, args.group_size)
