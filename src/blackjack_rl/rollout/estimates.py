@@ -36,7 +36,7 @@ from blackjack_rl.policies.base import KnowsItsPolicy, ScoresAnswers
 from blackjack_rl.rollout.episodes import opening_messages
 from blackjack_rl.rollout.players import Player
 
-MEMO_LIMIT = 200_000  # continuation prompts kept before the memo starts over (~a step's worth, bounded)
+MEMO_LIMIT = 20_000  # continuation prompts kept before the memo starts over (a step needs far fewer)
 MAX_HITS = 12  # hits a continuation may take: more than any hand of 21 can (4 aces, 4 twos, 3 threes...)
 
 
