@@ -97,6 +97,53 @@ def test_posts_answer_the_same_bytes_with_or_without_fastapis_layers(tmp_path: P
     assert through_direct == through_full
 
 
+def polls(url: str) -> list[tuple[int, list[tuple[str, str]], bytes]]:
+    """A trainer polling GET /batch through every state: before and after registering, with
+    nothing queued, with a batch in flight (acknowledged or not), and with bad `ack`s."""
+    answers = []
+    with httpx.Client(base_url=url, timeout=30) as http:
+
+        def get(path: str) -> None:
+            r = http.get(path)
+            headers = [(k, v) for k, v in r.headers.multi_items() if k not in ("date", "server")]
+            answers.append((r.status_code, headers, r.content))
+
+        get("/batch")  # no trainer
+        assert http.post("/register", json={**ATROPOS_REGISTRATION, "batch_size": 8}).status_code == 200
+        get("/batch")  # starts the trainer
+        get("/batch")
+        get("/batch?ack=0")
+        assert http.post("/register-env", json=atropos_register_env(4)).status_code == 200
+        assert http.post("/scored_data", json=make_group(uid="a")).status_code == 200
+        get("/batch?ack=7")  # 4 of 8 sequences queued
+        assert http.post("/scored_data", json=make_group(uid="b")).status_code == 200
+        get("/batch?ack=0")  # batch 1 goes out
+        get("/batch?ack=0")  # not acknowledged: sent again
+        get("/batch?ack=1")  # acknowledged; nothing more
+        get("/batch?ack=1")
+        get("/batch")
+        for bad in ("ack=-1", "ack=x", f"ack={2**63}", "ack=", "ack=1&ack=2", "other=1"):
+            get(f"/batch?{bad}")
+        answers.append((200, [], http.get("/status").content))
+    return answers
+
+
+def test_polls_for_batches_answer_the_same_without_fastapis_layers(tmp_path: Path) -> None:
+    direct = create_app(ApiConfig(db_path=tmp_path / "direct.sqlite"))
+    full = create_app(ApiConfig(db_path=tmp_path / "full.sqlite"))
+    full.fast_ingest = full.fast_no_batch = None
+    with served(direct) as url:
+        through_direct = polls(url)
+    with served(full) as url:
+        through_full = polls(url)
+    bodies = [json.loads(body) for _, _, body in through_direct]
+    assert [b.get("batch") for b in bodies[:5]] == [[], None, None, None, None]
+    assert uids(bodies[5]["batch"]) == ["a", "b"] and bodies[6]["redelivered"] is True
+    assert [b["batch"] for b in bodies[7:9]] == [None, None]
+    assert [status for status, _, _ in through_direct][10:16] == [422, 422, 422, 422, 200, 200]
+    assert through_direct == through_full
+
+
 def test_the_token_and_cors_still_guard_posts(tmp_path: Path) -> None:
     config = ApiConfig(db_path=tmp_path / "a.sqlite", token="s3cret", cors_origins=["https://dash.example"])
     with served(create_app(config)) as url:

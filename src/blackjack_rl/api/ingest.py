@@ -103,7 +103,8 @@ def prepare_groups(
         text, members = gunzip_limited(raw, max_bytes)
     fast = _fast_parse(text, as_list)
     if fast is not None:
-        _check_all([g for g, _, _ in fast], ctx, as_list)
+        # msgspec refuses NaN, Infinity and numbers beyond a double's range: nothing to look for.
+        _check_all([g for g, _, _ in fast], ctx, as_list, finite=True)
         if len(fast) == 1 and coding == "gzip" and members == 1:
             group, _, suffix = fast[0]
             fmt = FMT_GZIP_LIST1 if as_list else FMT_GZIP_OBJECT
@@ -169,7 +170,7 @@ def _strip(text: bytes, start: int, end: int) -> tuple[int, int]:
     return start, end
 
 
-def _check_all(groups: Sequence[Any], ctx: IngestContext, as_list: bool) -> None:
+def _check_all(groups: Sequence[Any], ctx: IngestContext, as_list: bool, finite: bool = False) -> None:
     if len(groups) > MAX_GROUPS_PER_POST:
         raise ApiError(
             413,
@@ -178,7 +179,7 @@ def _check_all(groups: Sequence[Any], ctx: IngestContext, as_list: bool) -> None
         )
     for index, group in enumerate(groups):
         try:
-            check_group(group, ctx)
+            check_group(group, ctx, finite=finite)
         except ApiError as exc:
             if as_list:
                 exc.detail = f"group {index}: {exc.detail}"
@@ -325,9 +326,10 @@ def _short_repr(value: object) -> str:
 # --- cross-field rules ---------------------------------------------------------------------
 
 
-def check_group(group: ScoredGroup, ctx: IngestContext) -> None:
+def check_group(group: ScoredGroup, ctx: IngestContext, *, finite: bool = False) -> None:
     """Shapes, masks, finiteness and size rules that a schema cannot express.
 
+    `finite`: the parser already refused non-finite numbers, so they are not looked for.
     Raises ApiError(422) naming the first problem found.
     """
     tokens = group.tokens
@@ -349,7 +351,8 @@ def check_group(group: ScoredGroup, ctx: IngestContext) -> None:
                 f"tokens[{i}] has {len(seq)} tokens, more than the trainer's max_token_len "
                 f"{ctx.max_token_len}; drop or truncate it before sending",
             )
-    _check_finite("scores", group.scores)
+    if not finite:
+        _check_finite("scores", group.scores)
     for name in ("inference_logprobs", "ref_logprobs", "advantages"):
         per_token = getattr(group, name)
         if per_token:  # atroposlib sends [] for "not provided"
@@ -357,12 +360,13 @@ def check_group(group: ScoredGroup, ctx: IngestContext) -> None:
             for i, (values, seq) in enumerate(zip(per_token, tokens)):
                 if len(values) != len(seq):
                     raise ApiError(422, f"{name}[{i}] has {len(values)} positions but tokens[{i}] has {len(seq)}")
-                _check_finite(f"{name}[{i}]", values)
+                if not finite:
+                    _check_finite(f"{name}[{i}]", values)
     for name in ("messages", "overrides"):
         per_sequence = getattr(group, name)
         if per_sequence:
             _same_count(name, per_sequence, n)
-    _check_distill(group, n)
+    _check_distill(group, n, finite)
     _check_size(group, n, ctx)
 
 
@@ -396,7 +400,7 @@ def _check_finite(name: str, values: list[float]) -> None:
             raise ApiError(422, f"{name}[{j}] is {value}: values must be finite numbers")
 
 
-def _check_distill(group: ScoredGroup, n: int) -> None:
+def _check_distill(group: ScoredGroup, n: int, finite: bool) -> None:
     ids, logprobs = group.distill_token_ids, group.distill_logprobs
     for name, values in (("distill_token_ids", ids), ("distill_logprobs", logprobs)):
         if values:
@@ -408,7 +412,7 @@ def _check_distill(group: ScoredGroup, n: int) -> None:
         for i, (a, b) in enumerate(zip(ids, logprobs)):
             if [len(x) for x in a] != [len(x) for x in b]:
                 raise ApiError(422, f"distill_token_ids[{i}] and distill_logprobs[{i}] differ in shape")
-    for i, per_pos in enumerate(logprobs or ()):
+    for i, per_pos in enumerate(() if finite else logprobs or ()):
         if not math.isfinite(sum(map(sum, per_pos))):  # one C-level pass per sequence
             for j, top in enumerate(per_pos):
                 _check_finite(f"distill_logprobs[{i}][{j}]", top)

@@ -8,6 +8,8 @@ anything and tests can start as many as they like.
 from __future__ import annotations
 
 import hmac
+import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -70,6 +72,9 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+_NO_BATCH = b'{"batch":null}'
+#: A query string GET /batch may have for its answer to be known without the store.
+_PLAIN_ACK = re.compile(rb"ack=[0-9]{1,18}")
 #: The ingest endpoints, and whether each takes a list of groups.
 _INGEST_PATHS = {"/scored_data": False, "/scored_data_list": True}
 IngestHandler = Callable[[Scope, Receive, Send, bool], Awaitable[None]]
@@ -95,17 +100,33 @@ class TrajectoryApp(FastAPI):
     middleware), CORS is off or the request has no Origin header, and FastAPI's own
     OpenTelemetry instrumentation is off. Everything else, and every other endpoint, takes
     the full stack; both paths run the same `ingest` and answer with the same bytes.
+
+    Under the same conditions a trainer's GET /batch that can only be answered
+    `{"batch":null}` (nothing in flight to acknowledge, fewer sequences queued than a batch
+    holds) is answered at once, without a transaction: trainers poll while they wait.
     """
 
     fast_ingest: IngestHandler | None = None
+    fast_no_batch: Callable[[bytes], bool] | None = None
     fast_token: bytes | None = None
     fast_cors: bool = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and self.fast_ingest is not None:
-            as_list = _INGEST_PATHS.get(_route_path(scope))
-            if as_list is not None and self._fast_path_applies(scope):
-                await self.fast_ingest(scope, receive, send, as_list)
+        if scope["type"] == "http":
+            method = scope["method"]
+            if method == "POST" and self.fast_ingest is not None:
+                as_list = _INGEST_PATHS.get(_route_path(scope))
+                if as_list is not None and self._fast_path_applies(scope):
+                    await self.fast_ingest(scope, receive, send, as_list)
+                    return
+            elif (
+                method == "GET"
+                and self.fast_no_batch is not None
+                and _route_path(scope) == "/batch"
+                and self.fast_no_batch(scope["query_string"])
+                and self._fast_path_applies(scope)
+            ):
+                await Response(_NO_BATCH, media_type="application/json")(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
 
@@ -119,8 +140,20 @@ class TrajectoryApp(FastAPI):
                     return False
             if self.fast_token is not None and not hmac.compare_digest(given, self.fast_token):
                 return False
-        telemetry = getattr(self, "_native_telemetry", None)  # FastAPI >= 0.13x
-        return telemetry is None or not telemetry.enabled()
+        return not self._telemetry_on()
+
+    _telemetry_checked = -1.0
+    _telemetry_was_on = False
+
+    def _telemetry_on(self) -> bool:
+        """Whether FastAPI's OpenTelemetry instrumentation is on, asked at most once a second
+        (asking looks up OpenTelemetry's global providers and environment variables)."""
+        now = time.monotonic()
+        if now - self._telemetry_checked >= 1.0:
+            telemetry = getattr(self, "_native_telemetry", None)  # FastAPI's own, in recent versions
+            self._telemetry_was_on = telemetry is not None and bool(telemetry.enabled())
+            self._telemetry_checked = now
+        return self._telemetry_was_on
 
 
 def create_app(config: ApiConfig) -> TrajectoryApp:
@@ -246,8 +279,25 @@ def create_app(config: ApiConfig) -> TrajectoryApp:
             )
         rows = await runner.call(lambda s: s.next_batch(ack))
         if rows is None:
-            return Response(b'{"batch":null}', media_type="application/json")
+            return Response(_NO_BATCH, media_type="application/json")
         return _ChunksResponse(await anyio.to_thread.run_sync(_batch_chunks, rows))
+
+    def no_batch_yet(query: bytes) -> bool:
+        """Whether GET /batch?`query` can only answer null and change nothing (see TrajectoryApp)."""
+        if query and not _PLAIN_ACK.fullmatch(query):
+            return False  # other parameters, or an ack FastAPI should check
+        runner: StoreRunner | None = getattr(app.state, "runner", None)
+        if runner is None:
+            return False
+        store = runner.store
+        # The count first: the writer thread sets `inflight` before it lowers the count, so a
+        # low count read here is never one from which a batch was taken but is not yet in flight.
+        queued = store.queued_sequences_hint
+        m = store.mirror
+        trainer = m.trainer
+        return trainer is not None and m.started and m.inflight is None and queued < trainer.batch_size
+
+    app.fast_no_batch = no_batch_yet
 
     @app.get("/latest_example")
     async def latest_example(request: Request) -> Response:
