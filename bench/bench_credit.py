@@ -199,16 +199,63 @@ def fidelity(player: Player, probes: int, plot: str | None = None) -> None:
               f"| {s.bias:+.4f} | {s.noise:.3f} | {s.decisions} |")
 
 
+def continuation_bias(player: Player, probes: int, k: int) -> None:
+    """The chart continuation's bias, measured: rollout credit with each continuation against the
+    exact A^pi of the model that reads its history (first decisions of fixed deals)."""
+    from blackjack_rl.game.table import Table
+    from blackjack_rl.measure.fidelity import CreditSample, exact_truths, score_samples
+    from blackjack_rl.measure.probe import node_policy
+    from blackjack_rl.rollout.credit import call_probabilities
+    from blackjack_rl.rollout.estimates import CallMemo, estimate_q
+    from blackjack_rl.rollout.episodes import opening_messages
+    from blackjack_rl.contract.protocol import tool_call_text
+
+    table = Table()
+    deals = []
+    for seed in group_seeds(78, probes):
+        obs = table.reset(seed)
+        deals.append((seed, obs, table.player_hand))
+    t0 = time.perf_counter()
+    truths = asyncio.run(exact_truths(player.solution, node_policy(player), [(o,) for _, o, _ in deals],
+                                      invalid_score=-1.0, max_turns=10, budget=256, target_width=0.01))
+    print(f"truth: {len(truths)} histories, widest Q^pi(h, hit) interval "
+          f"{max(t.q_hit_width for t in truths.values()):.4f}, {time.perf_counter() - t0:.0f}s")
+    calls = [player.chat.answer_ids(tool_call_text(a)) for a in (HIT, STICK)]
+    for continuation in ("history", "chart"):
+        t0, memo, samples = time.perf_counter(), CallMemo(), []
+        for seed, obs, hand in deals:
+            prompt = player.chat.prompt_ids(opening_messages(obs))
+            est = asyncio.run(estimate_q(player, memo, prompt, hand, obs, seed, 0, k, continuation))
+            lp = asyncio.run(player.policy.answer_logprobs(prompt, calls))
+            p = call_probabilities(sum(lp[0]), sum(lp[1]))
+            v = p[HIT] * est.q_hit + p[STICK] * est.q_stick
+            samples += [CreditSample((obs,), a, (est.q_hit if a == HIT else est.q_stick) - v) for a in (HIT, STICK)]
+        s = score_samples(samples, truths)
+        hit = [c.credit - truths[c.history].advantage(HIT) for c in samples if c.action == HIT]
+        print(f"| {continuation} | {k} | {memo.scored} | {time.perf_counter() - t0:.0f} | {s.sign_clear:.3f} | "
+              f"{s.correlation:.3f} | {s.bias:+.4f} | {statistics.fmean(hit):+.4f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fidelity", action="store_true", help="the fidelity table (see above) instead")
     ap.add_argument("--probes", type=int, default=400, help="--fidelity: fixed deals whose first decision is scored")
     ap.add_argument("--plot", metavar="PNG", help="--fidelity: also draw fidelity against compute")
+    ap.add_argument("--continuation-bias", metavar="LORA", help="the chart continuation's bias for the embedded "
+                                                                 "model with this adapter (e.g. three-phase)")
+    ap.add_argument("--k", type=int, default=32, help="--continuation-bias: rollouts per action")
     ap.add_argument("--deals", type=int, default=12)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--bot-deals", type=int, default=2000)
     args = ap.parse_args()
+    if args.continuation_bias:
+        player = build_player(load_settings(overrides={"policy": {"lora": args.continuation_bias, "max_tokens": 40,
+                                                                  "temperature": args.temperature}}))
+        print("| continuation | K | prompts scored | seconds | sign, |A| >= 0.01 | correlation | bias | bias of hit |")
+        print("|---|---|---|---|---|---|---|---|")
+        continuation_bias(player, args.probes, args.k)
+        return
     bot_player = build_player(load_settings(overrides={"policy": {"kind": "optimal"}}))
     if args.fidelity:
         bot_player.policy = SoftBot(bot_player.solution)
