@@ -349,9 +349,8 @@ def create_app(config: ApiConfig) -> TrajectoryApp:
                 raw = await receive_limited(receive, length, config.max_body_bytes)
             except ClientDisconnect:
                 return  # nobody is left to answer
-            response: Response = JSONResponse(
-                await ingest(state.runner, state.pool, raw, content_coding(encoding), key, as_list)
-            )
+            answer = await ingest(state.runner, state.pool, raw, content_coding(encoding), key, as_list)
+            response: Response = _answer_response(answer)
         except ApiError as exc:
             response = await _api_error(None, exc)  # type: ignore[arg-type]
         except Exception:
@@ -384,6 +383,19 @@ def create_app(config: ApiConfig) -> TrajectoryApp:
 
     app.add_api_route("/reset_data", reset, methods=["GET", "POST"])
     return app
+
+
+_RECEIVED = b'{"status":"received"}'
+
+
+def _answer_response(answer: dict[str, Any]) -> Response:
+    """JSONResponse(answer), without json.dumps for the answers every post gets."""
+    if answer == {"status": "received"}:
+        return Response(_RECEIVED, media_type="application/json")
+    if list(answer) == ["status", "groups_processed"] and answer["status"] == "received" and type(answer["groups_processed"]) is int:
+        body = b'{"status":"received","groups_processed":%d}' % answer["groups_processed"]
+        return Response(body, media_type="application/json")
+    return JSONResponse(answer)
 
 
 #: Pieces of a batch at least this large are sent as they are; smaller ones are joined first.
