@@ -43,6 +43,7 @@ def test_a_new_file_gets_4_kib_pages_and_an_older_file_keeps_its_own(tmp_path: P
     try:
         assert new.db.execute("PRAGMA page_size").fetchone()[0] == 4096
         assert new.db.execute("PRAGMA secure_delete").fetchone()[0] == 2  # FAST
+        assert new.db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 4096  # 16 MB of WAL
         _started(new)
         assert _queue_and_take(new, ["a", "b"]) == ["a", "b"]
     finally:
@@ -57,6 +58,7 @@ def test_a_new_file_gets_4_kib_pages_and_an_older_file_keeps_its_own(tmp_path: P
     old = Store(old_path)
     try:
         assert old.db.execute("PRAGMA page_size").fetchone()[0] == 16384
+        assert old.db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1024
         _started(old)
         assert _queue_and_take(old, ["c", "d"]) == ["c", "d"]
     finally:

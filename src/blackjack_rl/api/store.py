@@ -222,6 +222,11 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={synchronous}")
         self.db.execute("PRAGMA journal_size_limit=67108864")
+        # Checkpoint every 16 MB of WAL (as with the 16 KB pages of earlier files): the longer
+        # the interval, the more rewrites of the same pages (and of payloads already served and
+        # deleted) one checkpoint copies only once.
+        page = int(self.db.execute("PRAGMA page_size").fetchone()[0])
+        self.db.execute(f"PRAGMA wal_autocheckpoint={max(1000, (16 << 20) // page)}")
         self.db.execute("PRAGMA busy_timeout=5000")
         # Some builds (Debian's) zero every deleted page, which writes each acknowledged batch's
         # payloads a second time; FAST zeroes deleted content only in pages written anyway.
