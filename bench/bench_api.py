@@ -5,6 +5,7 @@
     PYTHONPATH=src python bench/bench_api.py --atropos-path DIR   # same run against Atropos' server
     PYTHONPATH=src python bench/bench_api.py --stall --posts 200 --skip-memory   # stalls from one post
     PYTHONPATH=src python bench/bench_api.py --baseline 82a3919 --skip-memory     # against an earlier commit
+    PYTHONPATH=src python bench/bench_api.py --repeat 3 --skip-memory ...         # medians of interleaved runs
 
 Each post is one group of 16 sequences x 300 tokens (tokens, masks, scores, and by default
 inference_logprobs and per-episode metadata, as `serve` sends them), gzip-compressed as
@@ -76,17 +77,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process and its living children (ingest workers) have used (Linux)."""
-    total = 0
+def cpu_s(pid: int) -> tuple[float, float]:
+    """User + system CPU seconds of a process, and of its living children (ingest workers) (Linux)."""
+    own = children = 0
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rpartition(")")[2].split()
         except OSError:
             continue
-        if int(stat.parent.name) == pid or int(fields[1]) == pid:
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        if int(stat.parent.name) == pid:
+            own += int(fields[11]) + int(fields[12])
+        elif int(fields[1]) == pid:
+            children += int(fields[11]) + int(fields[12])
+    tick = os.sysconf("SC_CLK_TCK")
+    return own / tick, children / tick
 
 
 def rss_mb(pid: int) -> float:
@@ -263,10 +267,13 @@ def throughput(kind: str, workdir: Path, bodies: list[bytes], args: argparse.Nam
         asyncio.run(post_many(server.url, bodies, args.warmup, args.concurrency, kind))
         drainer = Drainer(server)
         drainer.start()
+        load_before = os.getloadavg()[0]
         t0, cpu0, own0 = time.perf_counter(), cpu_s(server.proc.pid), time.process_time()
         latencies = asyncio.run(post_many(server.url, bodies, args.posts, args.concurrency, kind))
         elapsed = time.perf_counter() - t0
-        server_cpu, client_cpu = cpu_s(server.proc.pid) - cpu0, time.process_time() - own0
+        cpu1 = cpu_s(server.proc.pid)
+        server_cpu, worker_cpu = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+        client_cpu = time.process_time() - own0
         drainer.stop.set()
         drainer.join(timeout=30)
         return {
@@ -275,8 +282,12 @@ def throughput(kind: str, workdir: Path, bodies: list[bytes], args: argparse.Nam
             "p99_ms": pct(latencies, 0.99) * 1e3,
             "drained_groups_per_s": drainer.batches * args.groups_per_batch / elapsed,
             "rss_mb": rss_mb(server.proc.pid),
-            "server_cpu_ms": server_cpu / args.posts * 1e3,
+            "server_cpu_ms": (server_cpu + worker_cpu) / args.posts * 1e3,
+            "server_process_cpu_ms": server_cpu / args.posts * 1e3,
+            "worker_cpu_ms": worker_cpu / args.posts * 1e3,
             "client_cpu_ms": client_cpu / args.posts * 1e3,
+            "load_before": load_before,
+            "load_after": os.getloadavg()[0],
         }
     finally:
         server.stop()
@@ -353,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync", choices=["NORMAL", "FULL"], default="FULL")
     parser.add_argument("--ingest-workers", type=int, help="server's --ingest-workers (default: its own)")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="throughput runs per server, interleaved; medians are reported and compared")
     parser.add_argument("--stall", action="store_true",
                         help="also measure how long other requests wait during one hostile or huge post")
     parser.add_argument("--atropos-path", type=Path, help="directory holding an unpacked atroposlib (baseline)")
@@ -381,16 +394,26 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     try:
+        runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+        for round_ in range(args.repeat):  # interleaved, so a change in the machine's load hits every kind alike
+            for kind in kinds:
+                label = f" (round {round_ + 1} of {args.repeat})" if args.repeat > 1 else ""
+                print(f"\n[{kind}] ingest with a trainer draining: {args.posts} posts{label}")
+                r = throughput(kind, workdir, bodies, args)
+                runs[kind].append(r)
+                print(f"  {r['posts_per_s']:8.0f} posts/s  ({r['posts_per_s'] * args.seqs:,.0f} sequences/s)   "
+                      f"p50 {r['p50_ms']:6.1f} ms   p99 {r['p99_ms']:6.1f} ms   "
+                      f"trainer drained {r['drained_groups_per_s']:6.0f} groups/s   server RSS {r['rss_mb']:.0f} MB   "
+                      f"(load average {r['load_before']:.2f} before, {r['load_after']:.2f} after)")
+                print(f"  CPU per post: server {r['server_cpu_ms']:.2f} ms (its process {r['server_process_cpu_ms']:.2f}, "
+                      f"worker processes {r['worker_cpu_ms']:.2f}), load generator and trainer {r['client_cpu_ms']:.2f} ms")
         for kind in kinds:
-            print(f"\n[{kind}] ingest with a trainer draining: {args.posts} posts")
-            results[kind] = throughput(kind, workdir, bodies, args)
-            r = results[kind]
-            print(f"  {r['posts_per_s']:8.0f} posts/s  ({r['posts_per_s'] * args.seqs:,.0f} sequences/s)   "
-                  f"p50 {r['p50_ms']:6.1f} ms   p99 {r['p99_ms']:6.1f} ms   "
-                  f"trainer drained {r['drained_groups_per_s']:6.0f} groups/s   server RSS {r['rss_mb']:.0f} MB   "
-                  f"(load average {os.getloadavg()[0]:.2f})")
-            print(f"  CPU per post: server {r['server_cpu_ms']:.2f} ms (its threads and worker processes), "
-                  f"load generator and trainer {r['client_cpu_ms']:.2f} ms")
+            results[kind] = {key: statistics.median(r[key] for r in runs[kind]) for key in runs[kind][0]}
+            if args.repeat > 1:
+                r = results[kind]
+                each = ", ".join(f"{x['posts_per_s']:.0f}" for x in runs[kind])
+                print(f"\n[{kind}] median of {args.repeat}: {r['posts_per_s']:.0f} posts/s, p50 {r['p50_ms']:.1f} ms, "
+                      f"p99 {r['p99_ms']:.1f} ms, server CPU {r['server_cpu_ms']:.2f} ms per post (each run: {each} posts/s)")
         if args.stall:
             members = gzip.compress(b"") * 100_000
             big = json.dumps([groups[0]] * max(1, (15 * 1024 * 1024) // raw)).encode()
