@@ -448,3 +448,52 @@ def test_a_database_from_before_these_columns_opens(tmp_path: Path) -> None:
         assert answer == {"status": "received"} and store.status()["queue_size"] == 0
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        gzip.compress(b'{"a": 1}'),
+        gzip.compress(b"x" * 70_000),  # larger than one slice of the stdlib path
+        gzip.compress(b"ab") + gzip.compress(b"cd"),  # two members
+        gzip.compress(b"ab") + b"\x00" * 8,  # zero padding
+        gzip.compress(b"x" * 5000)[:-6],  # truncated
+        gzip.compress(b"hello")[:-8] + b"\x00\x00\x00\x00" + gzip.compress(b"hello")[-4:],  # bad CRC
+        gzip.compress(b"hello")[:-4] + b"\x09\x00\x00\x00",  # bad length
+        gzip.compress(b"y" * 3000),  # over the limit below
+        b"not gzip at all",
+        b"",
+    ],
+)
+def test_isal_decompression_answers_as_the_stdlib(body: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ISA-L takes the usual single stream; every body gets what the stdlib alone would give."""
+    from blackjack_rl.api import body as body_module
+
+    def outcome() -> object:
+        try:
+            return gunzip_limited(body, 2048)
+        except ApiError as exc:
+            return (exc.status, exc.detail)
+
+    assert body_module.fast_zlib is not None
+    with_isal = outcome()
+    monkeypatch.setattr(body_module, "fast_zlib", None)
+    assert with_isal == outcome()
+
+
+def test_stored_payloads_read_back_alike_with_or_without_isal(monkeypatch: pytest.MonkeyPatch) -> None:
+    import zlib
+
+    from blackjack_rl.api import ingest
+
+    text = json.dumps(make_group(uid="s")).encode()
+    stored = [
+        (ingest.FMT_ZLIB, zlib.compress(text, 1), b""),
+        (ingest.FMT_GZIP_OBJECT, gzip.compress(b"  " + text + b"\n"), b',"images":null'),
+        (ingest.FMT_GZIP_LIST1, gzip.compress(b"[" + text + b"]"), b""),
+        (ingest.FMT_GZIP_LIST1, gzip.compress(b"[" + text + b"]") + b"\x00\x00", b""),  # padded as sent
+    ]
+    with_isal = [ingest.decode_payload(*p) for p in stored]
+    monkeypatch.setattr(ingest, "fast_zlib", None)
+    assert with_isal == [ingest.decode_payload(*p) for p in stored]
+    assert json.loads(with_isal[1])["images"] is None and json.loads(with_isal[3]) == json.loads(text)

@@ -15,6 +15,11 @@ from starlette.types import Receive
 
 from blackjack_rl.api.errors import ApiError
 
+try:  # ISA-L's inflate: the same streams and checks as zlib's, ~2.5x faster
+    from isal import isal_zlib as fast_zlib
+except ImportError:  # a platform isal does not build on: the stdlib does the same work
+    fast_zlib = None  # type: ignore[assignment]
+
 _GZIP_WBITS = 16 + zlib.MAX_WBITS
 #: Bytes of compressed input handed to zlib at a time (bounds the copy zlib makes per member).
 _FEED = 16 * 1024
@@ -95,7 +100,14 @@ def gunzip_limited(data: bytes, limit: int, max_members: int = MAX_GZIP_MEMBERS)
     Linear in the body: input is fed in slices of `_FEED` bytes, so what zlib copies per
     member (its unused input) is bounded by the slice, not by the rest of the body, and
     bodies of more than `max_members` members (clients send one) are refused.
+
+    The usual body, one stream within the limit, is decompressed by ISA-L in one call; any
+    other body (several members, padding, too large, damaged) is then read by the stdlib as
+    below, so what is refused, and how, is the stdlib's.
     """
+    one = _one_stream(data, limit)
+    if one is not None:
+        return one, 1
     view = memoryview(data)
     size = len(view)
     out: list[bytes] = []
@@ -137,3 +149,18 @@ def gunzip_limited(data: bytes, limit: int, max_members: int = MAX_GZIP_MEMBERS)
     if members == 0:
         return b"", 0
     return b"".join(out), members
+
+
+def _one_stream(data: bytes, limit: int) -> bytes | None:
+    """`data` decompressed by ISA-L when it is exactly one complete gzip stream of at most
+    `limit` bytes (its CRC and length checked), else None. Output stops at `limit` + 1 bytes."""
+    if fast_zlib is None or not data:
+        return None
+    decoder = fast_zlib.decompressobj(_GZIP_WBITS)
+    try:
+        out = decoder.decompress(data, limit + 1)
+    except Exception:  # noqa: BLE001 - isal's own error type; the stdlib path names the problem
+        return None
+    if decoder.eof and not decoder.unused_data and len(out) <= limit:
+        return out
+    return None

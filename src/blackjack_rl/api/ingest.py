@@ -27,7 +27,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from blackjack_rl.contract.tokens import MASKED
 from blackjack_rl.api.batching import divisors_text
-from blackjack_rl.api.body import gunzip_limited
+from blackjack_rl.api.body import fast_zlib, gunzip_limited
 from blackjack_rl.api.errors import ApiError
 from blackjack_rl.api.models import (
     FLOAT_FIELDS,
@@ -44,8 +44,6 @@ FMT_ZLIB = 1  # zlib-compressed JSON object
 FMT_GZIP_OBJECT = 2  # the client's gzip body, a JSON object
 FMT_GZIP_LIST1 = 3  # the client's gzip body, a JSON list holding one object
 
-#: Largest buffer a stored payload's own size hint may ask for at once (zlib grows it beyond).
-_MAX_HINT = 64 * 1024 * 1024
 #: Groups in one /scored_data_list post: queueing them is one transaction that other writers wait for.
 MAX_GROUPS_PER_POST = 4096
 _GROUP_LIST = TypeAdapter(list[ScoredGroup])
@@ -145,13 +143,10 @@ def payload_parts(fmt: int, data: bytes, suffix: bytes = b"") -> list[bytes | me
     """`decode_payload` as pieces to join, without copying the decompressed text again
     (a batch joins sixteen of these, ~100 KB each, into its body)."""
     if fmt == FMT_ZLIB:
-        text = zlib.decompress(data)
+        text = _inflate(data, zlib.MAX_WBITS)
         start, end = 0, len(text)
     elif fmt in (FMT_GZIP_OBJECT, FMT_GZIP_LIST1):
-        # A single gzip stream, checked when it was posted, ends with its decompressed size
-        # (mod 2**32): one buffer of that size, not one grown and copied as zlib goes.
-        size = int.from_bytes(data[-4:], "little") if len(data) >= 4 else 0
-        text = zlib.decompress(data, 16 + zlib.MAX_WBITS, min(size, _MAX_HINT) + 1)
+        text = _inflate(data, 16 + zlib.MAX_WBITS)
         start, end = _strip(text, 0, len(text))
         if fmt == FMT_GZIP_LIST1:  # the client's `[ {...} ]`
             start, end = _strip(text, start + 1, end - 1)
@@ -159,6 +154,22 @@ def payload_parts(fmt: int, data: bytes, suffix: bytes = b"") -> list[bytes | me
         raise ValueError(f"unknown payload format {fmt}")
     view = memoryview(text)[start:end]
     return [view[:-1], suffix, b"}"] if suffix else [view]
+
+
+def _inflate(data: bytes, wbits: int) -> bytes:
+    """A stored payload decompressed: by ISA-L when it is one complete stream, as stored payloads
+    are (checked when posted), else by the stdlib (zero padding after a client's stream, or a
+    payload the stdlib should name the problem of)."""
+    if fast_zlib is not None:
+        decoder = fast_zlib.decompressobj(wbits)
+        try:
+            text: bytes = decoder.decompress(data)
+        except Exception:  # noqa: BLE001 - isal's own error type
+            pass
+        else:
+            if decoder.eof and not decoder.unused_data:
+                return text
+    return zlib.decompress(data, wbits)
 
 
 def _strip(text: bytes, start: int, end: int) -> tuple[int, int]:
