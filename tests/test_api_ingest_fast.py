@@ -209,3 +209,95 @@ def test_deeply_nested_values_get_the_models_answer(field, depth):
         assert refused.value.status == 400 and "recursion" in refused.value.detail
         return
     assert _stored(text, "identity", False) == reference
+
+
+ROW_B = "[1.0, 1.0, -1e-05, -2.5]"
+LOGPROB_TEXTS = {  # the text of inference_logprobs, and whether it is checked on its text alone
+    "plain": (f"[[1.0, 1.0, -0.5, -0.25], {ROW_B}]", True),
+    "compact, capital exponent": ("[[1.0,1.0,-0.5,-0.25],[1.0,1.0,-1E-05,-2.5]]", True),
+    "spaces and newlines": (f"[ [ 1.0 , 1.0 , -0.5 , -0.25 ] ,\n {ROW_B} ]", True),
+    "negative zero, exponents without a point": (f"[[-0.0, 2e-3, -5E-1, 1.5], {ROW_B}]", True),
+    "an integer": (f"[[1.0, 1, -0.5, -0.25], {ROW_B}]", False),
+    "an integer first": (f"[[1, 1.0, -0.5, -0.25], {ROW_B}]", False),
+    "an integer last": (f"[[1.0, 1.0, -0.5, 0], {ROW_B}]", False),
+    "a row of one integer": ("[[1], [2]]", False),
+    "a positive exponent": (f"[[1e5, 1.0, -0.5, -0.25], {ROW_B}]", False),
+    "a signed positive exponent": (f"[[1.5e+300, 1.0, -0.5, -0.25], {ROW_B}]", False),
+    "beyond a double": (f"[[1e999, 1.0, -0.5, -0.25], {ROW_B}]", False),
+    "beyond a double in digits": (f"[[1{'0' * 400}.0, 1.0, -0.5, -0.25], {ROW_B}]", False),
+    "many digits, finite": (f"[[0.{'0' * 400}1, 1.0, -0.5, -0.25], {ROW_B}]", False),
+    "a short row": (f"[[1.0, 1.0, -0.5], {ROW_B}]", False),
+    "a long row": (f"[[1.0, 1.0, -0.5, -0.25, 0.5], {ROW_B}]", False),
+    "an empty row": ("[[1.0, 1.0, -0.5, -0.25], []]", False),
+    "one row for two sequences": ("[[1.0, 1.0, -0.5, -0.25]]", False),
+    "three rows": (f"[[1.0, 1.0, -0.5, -0.25], {ROW_B}, {ROW_B}]", False),
+    "nested deeper": (f"[[[1.0], 1.0, -0.5, -0.25], {ROW_B}]", False),
+    "a string": (f'[[1.0, 1.0, -0.5, "-0.25"], {ROW_B}]', False),
+    "null in a row": (f"[[1.0, 1.0, -0.5, null], {ROW_B}]", False),
+    "true in a row": (f"[[1.0, 1.0, -0.5, true], {ROW_B}]", False),
+    "an object": (f'[{{"a": 1.0}}, {ROW_B}]', False),
+    "rows not in a list": (f"{ROW_B}", False),
+    "empty: absent": ("[]", False),
+    "null": ("null", False),
+}
+
+
+@pytest.mark.parametrize("name", list(LOGPROB_TEXTS))
+@pytest.mark.parametrize("as_list", [False, True])
+def test_logprobs_checked_on_their_text_get_the_models_answer(name, as_list):
+    """inference_logprobs is checked on its JSON text when it is rows of floats: every text,
+    taken that way or read number by number, is refused or stored exactly as the model does."""
+    from blackjack_rl.api.ingest import float_rows_checked
+
+    logprobs, on_text = LOGPROB_TEXTS[name]
+    marker = '"inference_logprobs": "HERE"'
+    g = json.dumps(group(inference_logprobs="HERE"))
+    text = g.replace(marker, f'"inference_logprobs": {logprobs}').encode()
+    if as_list:
+        text = b"[" + text + b"]"
+    assert float_rows_checked(logprobs.encode(), group()["tokens"]) is on_text
+    try:
+        reference = _reference(text, as_list)
+    except pydantic.ValidationError:
+        with pytest.raises(ApiError):
+            prepare_groups(text, "identity", CTX, as_list=as_list, max_bytes=10**7)
+        return
+    try:
+        stored = _stored(text, "identity", as_list)
+    except ApiError as exc:
+        assert exc.status == 422
+        groups = (pydantic.TypeAdapter(list[ScoredGroup]).validate_json(text) if as_list
+                  else [ScoredGroup.model_validate_json(text)])
+        with pytest.raises(ApiError):
+            for g in groups:
+                check_group(g, CTX)
+        return
+    assert stored == reference
+    for body, coding in ((text, "identity"), (gzip.compress(text), "gzip")):
+        assert _stored(body, coding, as_list) == reference
+
+
+PER_TOKEN = st.floats(allow_nan=False, allow_infinity=False) | st.integers(-3, 3) | st.sampled_from(
+    [1e300, -1e-300, 1e16, 0.0, -0.0, 5e-324, 1.7976931348623157e308])
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.lists(st.lists(PER_TOKEN, min_size=3, max_size=5), min_size=1, max_size=3),
+       compact=st.booleans(), as_list=st.booleans())
+def test_any_per_token_floats_get_the_models_answer(rows, compact, as_list):
+    g = group(inference_logprobs=rows)
+    separators = (",", ":") if compact else (", ", ": ")
+    text = json.dumps([g] if as_list else g, separators=separators).encode()
+    try:
+        reference = _reference(text, as_list)
+    except pydantic.ValidationError:
+        with pytest.raises(ApiError):
+            prepare_groups(text, "identity", CTX, as_list=as_list, max_bytes=10**7)
+        return
+    shapes_fit = len(rows) == 2 and all(len(r) == 4 for r in rows)
+    if not shapes_fit:
+        with pytest.raises(ApiError) as refused:
+            _stored(text, "identity", as_list)
+        assert refused.value.status == 422
+        return
+    assert _stored(text, "identity", as_list) == reference

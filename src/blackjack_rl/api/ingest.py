@@ -51,6 +51,7 @@ _FAST_GROUP = msgspec.json.Decoder(FastScoredGroup)
 _KNOWN_GROUP = msgspec.json.Decoder(FastKnownGroup)
 _KNOWN_LIST = msgspec.json.Decoder(list[FastKnownGroup])
 _RAW_LIST = msgspec.json.Decoder(list[msgspec.Raw])
+_FLOAT_ROWS = msgspec.json.Decoder(list[list[int | float]] | None)
 _RAW_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ANY = msgspec.json.Decoder()
 _KNOWN_FIELDS = frozenset(SCORED_DATA_FIELDS)
@@ -217,10 +218,64 @@ def _fast_parse(text: bytes, as_list: bool) -> list[tuple[FastScoredGroup, bytes
         return _fast_parse_fields(text, as_list)  # another field, or a body pydantic must read
     out: list[tuple[FastScoredGroup, bytes | None, bytes]] = []
     for group in known:
+        missing = [name for name in SCORED_DATA_FIELDS if getattr(group, name) is msgspec.UNSET]
+        if group.inference_logprobs is not msgspec.UNSET:
+            text_of = bytes(group.inference_logprobs)
+            if float_rows_checked(text_of, group.tokens):
+                # Checked here: shapes and values. None keeps check_group and _plain off it.
+                group = msgspec.structs.replace(group, inference_logprobs=None)
+            else:
+                try:
+                    rows = _FLOAT_ROWS.decode(text_of)
+                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                    return None  # pydantic names the problem
+                group = msgspec.structs.replace(group, inference_logprobs=rows)
         if not _plain(group, () if group.episodes is msgspec.UNSET else (group.episodes,)):
             return None
-        out.append(_completed(group, [name for name in SCORED_DATA_FIELDS if getattr(group, name) is msgspec.UNSET], None))
+        out.append(_completed(group, missing, None))
     return out
+
+
+#: What a JSON number is made of, and JSON whitespace: deleted, they leave a float row's shape.
+_NUMBER_TEXT = b"0123456789-+ \t\r\n"
+_SHAPE_TEXT = b"[],.eE"
+_DIGITS_AS_D = bytes.maketrans(b"0123456789", b"d" * 10)
+#: 309 digits in a row may not fit a double.
+_LONG_DIGITS = b"d" * 309
+
+
+def float_rows_checked(text: bytes, tokens: list[list[int]]) -> bool:
+    """Whether `text`, the JSON of a per-token float field, is one row per sequence of
+    `tokens`, each of as many floats as its sequence has tokens, every one written as a
+    float (with a point or an exponent: no JSON integer, which must come back as a float)
+    and within a double's range. False says nothing is wrong, only that the field must be
+    read number by number (as every other float field is).
+
+    Deleting digits, signs and whitespace leaves the field's shape: `[[.,.,e],[.,.]]` for
+    rows of floats. A JSON integer leaves an empty place (`,,`, `[,`, `,]`, `[]`); any
+    character other than brackets, commas, points and exponents means something else
+    (strings, objects, literals).
+    """
+    shape = text.translate(None, _NUMBER_TEXT)
+    if shape.translate(None, _SHAPE_TEXT) or not (shape.startswith(b"[[") and shape.endswith(b"]]")):
+        return False
+    rows = shape[2:-2].split(b"],[")
+    if len(rows) != len(tokens):
+        return False
+    for row, seq in zip(rows, tokens):
+        if not row or row.count(b",") + 1 != len(seq) or b",," in row or row[0] == 44 or row[-1] == 44:
+            return False  # 44: a comma at either end
+        if b"[" in row or b"]" in row:
+            return False  # nested deeper than rows of numbers
+    # Beyond a double's range only with a positive exponent or ~309 digits: logprobs have
+    # neither, and a field that does is read number by number.
+    for letter in (b"e", b"E"):
+        at = text.find(letter)
+        while at >= 0:
+            if text[at + 1 : at + 2] != b"-":
+                return False
+            at = text.find(letter, at + 2)
+    return _LONG_DIGITS not in text.translate(_DIGITS_AS_D)
 
 
 def _fast_parse_fields(text: bytes, as_list: bool) -> list[tuple[FastScoredGroup, bytes | None, bytes]] | None:

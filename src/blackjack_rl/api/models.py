@@ -143,9 +143,14 @@ class FastKnownGroup(FastScoredGroup, frozen=True, forbid_unknown_fields=True):
     Only Atropos' fields and our per-episode `episodes` metadata, so that no field goes
     unseen: a group with any other field is read by `FastScoredGroup` plus a pass over its
     fields, which checks what this one checks here.
+
+    `inference_logprobs`, the largest field, is kept as its JSON text: the usual one (rows
+    of decimal floats) is checked on the text (ingest.float_rows_checked), faster than
+    making a Python float of each value; any other is then read as `FastScoredGroup` reads it.
     """
 
     episodes: Any = msgspec.UNSET
+    inference_logprobs: msgspec.Raw | _Unset = msgspec.UNSET
 
 
 #: Bounds on every number a client chooses, so no request can make the server do work (or
