@@ -115,3 +115,20 @@ def test_fidelity_reads_the_credit_of_reward_only_groups(tmp_path):
     doc = json.loads((out / "fidelity.json").read_text())
     assert doc["scores"]["all"]["decisions"] >= 8  # both calls of each of at least four decisions
     assert doc["policy"]["policy"] == "embedded"
+
+
+def test_step_groups_after_a_hit_are_placed_by_the_history_they_carry(tmp_path):
+    """Step groups of later decisions carry the states before them, so their credit is scored
+    against A^pi at the whole history (a step group scores answers by Q*: for the random bot,
+    whose continuation is not optimal, its sign is not always A^pi's)."""
+    out = tmp_path / "steps"
+    run_cli("process", "--policy", "random", "--credit", "step", "--group-size", "4", "--groups", "200",
+            "--seed", "2", "--quiet", "--out", str(out), check=True, cwd=tmp_path)
+    rows = [json.loads(x) for x in (out / "groups.jsonl").read_text().splitlines()]
+    later = [g["episodes"][0] for g in rows if g["episodes"][0]["decision"] > 0]
+    assert later and all(len(r["history"]) == r["decision"] for r in later)
+    run = run_cli("fidelity", str(out / "groups.jsonl"), "--policy", "random", "--out", str(out), cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    scores = json.loads((out / "fidelity.json").read_text())["scores"]
+    assert scores["after_hit"]["decisions"] > 50
+    assert 0.5 < scores["all"]["sign_weighted"] < 1.0
