@@ -495,6 +495,40 @@ def test_ingest_workers_check_against_the_registrations_of_the_moment(tmp_path: 
         assert c.get("/status").json()["queue_size"] == 3
 
 
+def test_a_worker_that_dies_before_it_starts_is_not_started_again() -> None:
+    """Replacing a worker that never started would start and lose processes in a loop: the pool
+    goes on without it, checking posts in the server process when no worker is left."""
+    import os
+    import signal
+
+    from blackjack_rl.api.ingest import IngestContext
+    from blackjack_rl.api.ingest_workers import IngestPool
+
+    ctx = IngestContext(batch_size=8, env_group_sizes={0: 4})
+    body = json.dumps(make_group(uid="n0")).encode()
+
+    async def run() -> tuple[int, int, int, Any]:
+        pool = IngestPool(1)
+        await pool.start()
+        try:
+            [first] = pool.pids
+            os.kill(first, signal.SIGKILL)
+            while pool.replaced == 0:  # the replacement is started at once
+                await asyncio.sleep(0.001)
+            [second] = pool.pids
+            os.kill(second, signal.SIGKILL)  # long before its interpreter has started
+            while pool.pids:
+                await asyncio.sleep(0.01)
+            checked = await pool.prepare(body, "identity", ctx, as_list=False, max_bytes=10**7, with_digest=False)
+            return pool.replaced, pool.workers, len(pool.pids), checked
+        finally:
+            await pool.aclose()
+
+    replaced, workers, live, (groups, _) = asyncio.run(run())
+    assert (replaced, workers, live) == (1, 0, 0)
+    assert len(groups) == 1  # checked in a thread of this process
+
+
 def test_a_crashed_ingest_worker_is_replaced_once() -> None:
     """Every post in flight when a worker dies gets a 503 to retry; the worker is replaced once,
     not once per post (which would strand posts just handed to the new one), and works after."""

@@ -154,6 +154,10 @@ def test_the_token_and_cors_still_guard_posts(tmp_path: Path) -> None:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
                 r = http.post("/scored_data", json=group, headers=headers)
                 assert r.status_code == 401 and "bearer token" in r.json()["detail"]
+            # The middleware reads the first Authorization header; so does the direct path.
+            twice = [("Authorization", ""), ("Authorization", "Bearer s3cret")]
+            assert http.post("/scored_data", json=group, headers=twice).status_code == 401
+            assert http.get("/batch", headers=twice).status_code == 401
             origin = {"Origin": "https://dash.example", "Authorization": "Bearer s3cret"}
             r = http.post("/scored_data", json=make_group(n=1, uid="y"), headers=origin)
             assert r.status_code == 200 and r.json() == {"status": "received"}

@@ -304,14 +304,27 @@ class IngestPool:
             raise
 
     def _replace(self, worker: _Worker) -> None:
-        """Start a new worker in place of one that died (once, whoever notices first)."""
+        """Start a new worker in place of one that died (once, whoever notices first).
+
+        One that died before it ever started is not replaced (it would only die again, over
+        and over): the pool goes on with the others, or checks posts in threads if none is left.
+        """
         if not self._running or worker not in self._procs:
             return
-        log.error("an ingest worker died; starting a new one")
         self._procs.remove(worker)
         worker.close()
         with contextlib.suppress(Exception):
             worker.process.join(0)
+        ready = worker.ready
+        if ready is None or not ready.done() or ready.cancelled() or ready.exception() is not None:
+            log.error(
+                "an ingest worker died before it started; %s",
+                "going on with the others" if self._procs else "checking posts in the server process",
+            )
+            if not self._procs:
+                self.workers = 0
+            return
+        log.error("an ingest worker died; starting a new one")
         self._procs.append(self._spawn())
         self.replaced += 1
 

@@ -132,13 +132,13 @@ class TrajectoryApp(FastAPI):
 
     def _fast_path_applies(self, scope: Scope) -> bool:
         if self.fast_token is not None or self.fast_cors:
-            given = b""
+            given: bytes | None = None  # the first Authorization header, as BearerAuth reads it
             for name, value in scope["headers"]:
-                if name == b"authorization":
-                    given = given or value
+                if name == b"authorization" and given is None:
+                    given = value
                 elif name == b"origin" and self.fast_cors:
                     return False
-            if self.fast_token is not None and not hmac.compare_digest(given, self.fast_token):
+            if self.fast_token is not None and not hmac.compare_digest(given or b"", self.fast_token):
                 return False
         return not self._telemetry_on()
 
