@@ -211,12 +211,13 @@ def test_deeply_nested_values_get_the_models_answer(field, depth):
     assert _stored(text, "identity", False) == reference
 
 
-ROW_B = "[1.0, 1.0, -1e-05, -2.5]"
+ROW_B = "[1.0, 1.0, -1.5e-05, -2.5]"
 LOGPROB_TEXTS = {  # the text of inference_logprobs, and whether it is checked on its text alone
     "plain": (f"[[1.0, 1.0, -0.5, -0.25], {ROW_B}]", True),
-    "compact, capital exponent": ("[[1.0,1.0,-0.5,-0.25],[1.0,1.0,-1E-05,-2.5]]", True),
+    "compact, capital exponent": ("[[1.0,1.0,-0.5,-0.25],[1.0,1.0,-1.5E-05,-2.5]]", True),
     "spaces and newlines": (f"[ [ 1.0 , 1.0 , -0.5 , -0.25 ] ,\n {ROW_B} ]", True),
-    "negative zero, exponents without a point": (f"[[-0.0, 2e-3, -5E-1, 1.5], {ROW_B}]", True),
+    "negative zero, exponents": (f"[[-0.0, 2.5e-3, -5.0E-1, 1.5], {ROW_B}]", True),
+    "floats without a point": (f"[[-0.0, 2e-3, -5E-1, 1.5], {ROW_B}]", False),
     "an integer": (f"[[1.0, 1, -0.5, -0.25], {ROW_B}]", False),
     "an integer first": (f"[[1, 1.0, -0.5, -0.25], {ROW_B}]", False),
     "an integer last": (f"[[1.0, 1.0, -0.5, 0], {ROW_B}]", False),

@@ -236,9 +236,10 @@ def _fast_parse(text: bytes, as_list: bool) -> list[tuple[FastScoredGroup, bytes
     return out
 
 
-#: What a JSON number is made of, and JSON whitespace: deleted, they leave a float row's shape.
-_NUMBER_TEXT = b"0123456789-+ \t\r\n"
-_SHAPE_TEXT = b"[],.eE"
+#: JSON whitespace and what a number is made of but its decimal point: deleted, they leave a
+#: float field's shape.
+_NOT_SHAPE = b"0123456789-+eE \t\r\n"
+_SHAPE_TEXT = b"[],."
 _DIGITS_AS_D = bytes.maketrans(b"0123456789", b"d" * 10)
 #: 309 digits in a row may not fit a double.
 _LONG_DIGITS = b"d" * 309
@@ -246,27 +247,25 @@ _LONG_DIGITS = b"d" * 309
 
 def float_rows_checked(text: bytes, tokens: list[list[int]]) -> bool:
     """Whether `text`, the JSON of a per-token float field, is one row per sequence of
-    `tokens`, each of as many floats as its sequence has tokens, every one written as a
-    float (with a point or an exponent: no JSON integer, which must come back as a float)
-    and within a double's range. False says nothing is wrong, only that the field must be
-    read number by number (as every other float field is).
+    `tokens`, each of as many numbers as its sequence has tokens, every one written with a
+    decimal point (so none is a JSON integer, which must come back as a float) and within a
+    double's range. False says nothing is wrong, only that the field must be read number by
+    number (as every other float field is); so does a float written without a point (`1e-05`).
 
-    Deleting digits, signs and whitespace leaves the field's shape: `[[.,.,e],[.,.]]` for
-    rows of floats. A JSON integer leaves an empty place (`,,`, `[,`, `,]`, `[]`); any
-    character other than brackets, commas, points and exponents means something else
-    (strings, objects, literals).
+    Deleting whitespace and all of each number but its point leaves the field's shape:
+    `[[.,.,.],[.,.]]`. In valid JSON (msgspec has checked the syntax) a number holds one point
+    at most, so a row with one point per token and one comma fewer holds no integer.
     """
-    shape = text.translate(None, _NUMBER_TEXT)
+    shape = text.translate(None, _NOT_SHAPE)
     if shape.translate(None, _SHAPE_TEXT) or not (shape.startswith(b"[[") and shape.endswith(b"]]")):
-        return False
-    rows = shape[2:-2].split(b"],[")
-    if len(rows) != len(tokens):
-        return False
-    for row, seq in zip(rows, tokens):
-        if not row or row.count(b",") + 1 != len(seq) or b",," in row or row[0] == 44 or row[-1] == 44:
-            return False  # 44: a comma at either end
-        if b"[" in row or b"]" in row:
-            return False  # nested deeper than rows of numbers
+        return False  # strings, literals, objects: something other than numbers
+    inner = shape[2:-2]
+    rows = inner.split(b"],[")
+    if len(rows) != len(tokens) or inner.count(b"[") != len(rows) - 1 or inner.count(b"]") != len(rows) - 1:
+        return False  # another number of rows, or rows nested deeper
+    lengths = [len(seq) for seq in tokens]
+    if shape.count(b",") != sum(lengths) - 1 or [row.count(b".") for row in rows] != lengths:
+        return False  # a number without a point, or rows of other lengths
     # Beyond a double's range only with a positive exponent or ~309 digits: logprobs have
     # neither, and a field that does is read number by number.
     for letter in (b"e", b"E"):
