@@ -131,7 +131,7 @@ def polls(url: str) -> list[tuple[int, list[tuple[str, str]], bytes]]:
 def test_polls_for_batches_answer_the_same_without_fastapis_layers(tmp_path: Path) -> None:
     direct = create_app(ApiConfig(db_path=tmp_path / "direct.sqlite"))
     full = create_app(ApiConfig(db_path=tmp_path / "full.sqlite"))
-    full.fast_ingest = full.fast_no_batch = None
+    full.fast_ingest = full.fast_batch = None
     with served(direct) as url:
         through_direct = polls(url)
     with served(full) as url:

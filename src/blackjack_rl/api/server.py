@@ -73,11 +73,12 @@ class BearerAuth:
 
 
 _NO_BATCH = b'{"batch":null}'
-#: A query string GET /batch may have for its answer to be known without the store.
+#: The one query string (besides none) with which GET /batch skips FastAPI: FastAPI checks any other.
 _PLAIN_ACK = re.compile(rb"ack=[0-9]{1,18}")
 #: The ingest endpoints, and whether each takes a list of groups.
 _INGEST_PATHS = {"/scored_data": False, "/scored_data_list": True}
 IngestHandler = Callable[[Scope, Receive, Send, bool], Awaitable[None]]
+BatchHandler = Callable[[Scope, Receive, Send, "int | None"], Awaitable[None]]
 
 
 def _route_path(scope: Scope) -> str:
@@ -101,13 +102,14 @@ class TrajectoryApp(FastAPI):
     OpenTelemetry instrumentation is off. Everything else, and every other endpoint, takes
     the full stack; both paths run the same `ingest` and answer with the same bytes.
 
-    Under the same conditions a trainer's GET /batch that can only be answered
-    `{"batch":null}` (nothing in flight to acknowledge, fewer sequences queued than a batch
-    holds) is answered at once, without a transaction: trainers poll while they wait.
+    Under the same conditions a trainer's GET /batch (with no query, or only a plain `ack`)
+    skips them too; one that can only be answered `{"batch":null}` (nothing in flight to
+    acknowledge, fewer sequences queued than a batch holds) is answered at once, without a
+    transaction: trainers poll while they wait.
     """
 
     fast_ingest: IngestHandler | None = None
-    fast_no_batch: Callable[[bytes], bool] | None = None
+    fast_batch: BatchHandler | None = None
     fast_token: bytes | None = None
     fast_cors: bool = False
 
@@ -119,15 +121,11 @@ class TrajectoryApp(FastAPI):
                 if as_list is not None and self._fast_path_applies(scope):
                     await self.fast_ingest(scope, receive, send, as_list)
                     return
-            elif (
-                method == "GET"
-                and self.fast_no_batch is not None
-                and _route_path(scope) == "/batch"
-                and self.fast_no_batch(scope["query_string"])
-                and self._fast_path_applies(scope)
-            ):
-                await Response(_NO_BATCH, media_type="application/json")(scope, receive, send)
-                return
+            elif method == "GET" and self.fast_batch is not None and _route_path(scope) == "/batch":
+                query = scope["query_string"]
+                if (not query or _PLAIN_ACK.fullmatch(query)) and self._fast_path_applies(scope):
+                    await self.fast_batch(scope, receive, send, int(query[4:]) if query else None)
+                    return
         await super().__call__(scope, receive, send)
 
     def _fast_path_applies(self, scope: Scope) -> bool:
@@ -272,7 +270,11 @@ def create_app(config: ApiConfig) -> TrajectoryApp:
     @app.get("/batch")
     async def batch(request: Request, ack: int | None = Query(None, ge=0, lt=2**63)) -> Response:
         """The next batch for the trainer; see Store.next_batch for acknowledgement."""
-        runner = runner_of(request)
+        return await next_batch(runner_of(request), ack)
+
+    async def next_batch(runner: StoreRunner, ack: int | None) -> Response:
+        if no_batch_yet(runner):
+            return Response(_NO_BATCH, media_type="application/json")
         if runner.store.mirror.trainer is None:
             return JSONResponse(
                 {"status": "error", "message": "Trainer not registered. Call /register first.", "batch": []}
@@ -282,13 +284,8 @@ def create_app(config: ApiConfig) -> TrajectoryApp:
             return Response(_NO_BATCH, media_type="application/json")
         return _ChunksResponse(await anyio.to_thread.run_sync(_batch_chunks, rows))
 
-    def no_batch_yet(query: bytes) -> bool:
-        """Whether GET /batch?`query` can only answer null and change nothing (see TrajectoryApp)."""
-        if query and not _PLAIN_ACK.fullmatch(query):
-            return False  # other parameters, or an ack FastAPI should check
-        runner: StoreRunner | None = getattr(app.state, "runner", None)
-        if runner is None:
-            return False
+    def no_batch_yet(runner: StoreRunner) -> bool:
+        """Whether GET /batch can only answer null and change nothing: then no transaction is needed."""
         store = runner.store
         # The count first: the writer thread sets `inflight` before it lowers the count, so a
         # low count read here is never one from which a batch was taken but is not yet in flight.
@@ -297,7 +294,11 @@ def create_app(config: ApiConfig) -> TrajectoryApp:
         trainer = m.trainer
         return trainer is not None and m.started and m.inflight is None and queued < trainer.batch_size
 
-    app.fast_no_batch = no_batch_yet
+    async def fast_batch(scope: Scope, receive: Receive, send: Send, ack: int | None) -> None:
+        """The `batch` endpoint without FastAPI (see TrajectoryApp): the same answers and errors."""
+        await _answered(scope, receive, send, next_batch(app.state.runner, ack))
+
+    app.fast_batch = fast_batch
 
     @app.get("/latest_example")
     async def latest_example(request: Request) -> Response:
@@ -345,12 +346,22 @@ def create_app(config: ApiConfig) -> TrajectoryApp:
                 key = key if key is not None else value.decode("latin-1")
         state = app.state
         try:
-            try:
-                raw = await receive_limited(receive, length, config.max_body_bytes)
-            except ClientDisconnect:
-                return  # nobody is left to answer
-            answer = await ingest(state.runner, state.pool, raw, content_coding(encoding), key, as_list)
-            response: Response = _answer_response(answer)
+            raw = await receive_limited(receive, length, config.max_body_bytes)
+        except ClientDisconnect:
+            return  # nobody is left to answer
+        except ApiError as exc:
+            await (await _api_error(None, exc))(scope, receive, send)  # type: ignore[arg-type]
+            return
+        await _answered(scope, receive, send, _ingest_answer(state, raw, encoding, key, as_list))
+
+    async def _ingest_answer(state: Any, raw: bytes, encoding: str | None, key: str | None, as_list: bool) -> Response:
+        answer = await ingest(state.runner, state.pool, raw, content_coding(encoding), key, as_list)
+        return _answer_response(answer)
+
+    async def _answered(scope: Scope, receive: Receive, send: Send, making: Awaitable[Response]) -> None:
+        """Send the response `making` gives, or what FastAPI's layers answer for its exception."""
+        try:
+            response = await making
         except ApiError as exc:
             response = await _api_error(None, exc)  # type: ignore[arg-type]
         except Exception:
