@@ -101,7 +101,6 @@ def test_common_random_numbers_cut_the_noise_of_the_difference(solution, vocab_c
 
 @pytest.mark.parametrize("flags, message", [
     ({"starts": "chart"}, "--starts chart chooses or weighs states by the solver"),
-    ({"balance_actions": True}, "--balance-actions chooses or weighs"),
     ({"continue_with": "best"}, "--continue-with best chooses"),
 ])
 def test_the_reward_only_mode_refuses_what_reads_the_solver(flags, message):
@@ -158,6 +157,7 @@ def test_no_solver_output_reaches_reward_only_training(tiny_model_dir, tmp_path)
         out = tmp_path / which
         args = ["train", "--model-path", str(tiny_model_dir), "--steps", "3", "--deals-per-step", "3",
                 "--credit", "step-rollouts", "--group-size", "0", "--rollouts", "4", "--starts", "uniform",
+                "--balance-actions", "--scale-decisions",
                 "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "0", "--save-every", "3", "--lora",
                 "--threads", "1", "--seed", "3", "--out", str(out)]
         proc = subprocess.run([sys.executable, "-c", LEAK_SCRIPT, which, *args], env=cli_env(), cwd=tmp_path,
@@ -225,3 +225,22 @@ def test_the_continuation_asks_the_policy_where_it_says(solution, vocab_chat, co
     player = Player(_Recorder(1e-12), vocab_chat, solution)
     assert asyncio.run(estimate_q(player, CallMemo(), prompt, [5, 3], obs, 5, 0, 32, continuation)).q_hit == \
         pytest.approx(-1.0, abs=1e-9)
+
+
+def test_reward_only_balancing_reads_the_estimate_not_the_solver(solution):
+    """--balance-actions in step-rollouts weighs decisions by the action their estimate prefers."""
+    from blackjack_rl.contract.records import ScoredDataGroup, StepRecord
+    from blackjack_rl.train.grpo import action_balance
+
+    def group(optimal: str, estimate: dict | None) -> ScoredDataGroup:
+        record = StepRecord(seed=1, decision=0, index=0, state=[12, 2, 0], natural=False, action="hit",
+                            optimal=optimal, q={"stick": 0.0, "hit": 0.0}, invalid_reason=None, score=0.0,
+                            forced=True, q_estimate=estimate)
+        return ScoredDataGroup(tokens=[[1]], masks=[[1]], inference_logprobs=[[0.0]], scores=[0.0], messages=[],
+                               generation_params={"group_by": "step"}, episodes=[record])
+
+    hit_better, stick_better = {"hit": 0.1, "stick": -0.2}, {"hit": -0.5, "stick": 0.0}
+    # the solver says hit for all four; the estimates split them 3 to 1
+    weights = action_balance([group("hit", hit_better)] * 3 + [group("hit", stick_better)])
+    assert weights == [2 / 3] * 3 + [2.0]
+    assert action_balance([group("hit", None)] * 3 + [group("stick", None)]) == [2 / 3] * 3 + [2.0]

@@ -183,7 +183,7 @@ CreditMode = Literal["episode", "episode-tokens", "step", "step-tokens", "step-c
 STEP_MODES = ("step", "step-tokens", "step-counterfactual", "step-rollouts")
 TOKEN_MODES = ("episode-tokens", "step-tokens", "step-counterfactual", "step-rollouts")
 # What a reward-only mode refuses: each chooses or weighs states by the solver's optimal action.
-SOLVER_CHOICES = {"starts": "chart", "continue_with": "best", "balance_actions": True}
+SOLVER_CHOICES = {"starts": "chart", "continue_with": "best"}
 
 
 class GroupConfig(_Section):
@@ -223,7 +223,8 @@ class GroupConfig(_Section):
         1.0, ge=0.0, le=100.0, description="token modes: weight of the validity credit on an answer's format "
                                            "tokens (0: train the decision only)")
     balance_actions: bool = Field(False, description="train, step modes: weigh each batch's decisions so that "
-                                                     "hit-optimal and stick-optimal states count equally")
+                                                     "hit-optimal and stick-optimal states count equally "
+                                                     "(step-rollouts: by the action its estimate values higher)")
     balance_later: bool = Field(False, description="train, with --balance-actions: balance first decisions and "
                                                    "decisions after a hit apart, so that a history (\"I hit "
                                                    "before\") earns nothing as a reason for one action")

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from blackjack_rl.config import Settings
-from blackjack_rl.contract.records import ScoredDataGroup
+from blackjack_rl.contract.records import ScoredDataGroup, StepRecord
 from blackjack_rl.contract.tokens import MASKED
 from blackjack_rl.model.logprobs import Targets, token_logprobs
 from blackjack_rl.rollout.credit import group_advantages
@@ -205,7 +205,7 @@ def action_balance(groups: Sequence[ScoredDataGroup], by_turn: bool = False) -> 
     a preference, and the model learned it instead of reading the hand.
     """
     decisions = [decision_of(g) for g in groups]
-    keys = [None if d is None else ((d.decision > 0) if by_turn else False, d.optimal) for d in decisions]
+    keys = [None if d is None else ((d.decision > 0) if by_turn else False, better_action(d)) for d in decisions]
     weights = [1.0] * len(groups)
     for later in {k[0] for k in keys if k is not None}:
         counts = {a: keys.count((later, a)) for a in ("hit", "stick")}
@@ -216,6 +216,16 @@ def action_balance(groups: Sequence[ScoredDataGroup], by_turn: bool = False) -> 
             if k is not None and k[0] == later:
                 weights[i] = total / (2 * counts[k[1]])
     return weights
+
+
+def better_action(decision: StepRecord) -> str:
+    """The class `action_balance` puts a decision in: the optimal action, or, in a group credited
+    by rollouts (reward only), the action its own estimate values higher, so that no solver
+    output weighs the batch."""
+    q = decision.q_estimate
+    if q is not None:
+        return "hit" if q["hit"] > q["stick"] else "stick"
+    return decision.optimal
 
 
 def weighted(group: ScoredDataGroup, advantages: list[float] | None, weight: float
