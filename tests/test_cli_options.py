@@ -193,7 +193,8 @@ def _at(settings, path):
 NEEDS = {"--starts": ["--credit", "step"], "--decisions": ["--credit", "step"], "--continue-with": ["--credit", "step"],
          "--balance-actions": ["--credit", "step"], "--balance-later": ["--credit", "step", "--balance-actions"],
          "--scale-decisions": ["--credit", "step-tokens"],
-         "--format-weight": ["--credit", "step-tokens"], "--rollouts": ["--credit", "step-rollouts"]}
+         "--format-weight": ["--credit", "step-tokens"], "--rollouts": ["--credit", "step-rollouts"],
+         "--rollout-continuation": ["--credit", "step-rollouts"]}
 # The positional arguments a command needs besides its flags.
 POSITIONAL = {"compare": ["runs/a", "runs/b"], "fidelity": ["groups.jsonl"]}
 
