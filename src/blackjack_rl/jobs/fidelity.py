@@ -40,7 +40,8 @@ def read_samples(path: Path, player: Player, max_decisions: int, scale: bool) ->
     table = player.tables.acquire()
     try:
         with path.open("rb") as f:
-            for number, line in enumerate(f, start=1):
+            # readline with a limit: a line is never read whole past the bound
+            for number, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
                 if len(line) > MAX_LINE_BYTES:
                     raise ValueError(f"{path}:{number}: a line of over {MAX_LINE_BYTES >> 20} MiB is not a group")
                 if not line.strip():

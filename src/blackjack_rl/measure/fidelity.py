@@ -30,7 +30,7 @@ from blackjack_rl.contract.records import EpisodeRecord, ScoredDataGroup, StepRe
 from blackjack_rl.contract.tokens import trained_spans
 from blackjack_rl.game.solver import Solution
 from blackjack_rl.game.table import Observation, Table
-from blackjack_rl.measure.tree import History, NodePolicy, hit_value
+from blackjack_rl.measure.tree import History, NodePolicy, hit_value, is_natural
 from blackjack_rl.rollout.credit import action_char_span, action_token_indices, group_advantages
 
 NEAR_TIE = 0.01  # |A^pi| below this: a decision whose sign does not matter
@@ -143,8 +143,7 @@ async def exact_truths(solution: Solution, policy: NodePolicy, histories: Sequen
     probs = await policy(unique) if unique else []
     out = {}
     for h, (p_hit, p_stick) in zip(unique, probs):
-        natural = len(h) == 1 and h[0].player_sum == 21 and h[0].usable_ace
-        q_stick, _ = solution.q_values(h[-1], natural)
+        q_stick, _ = solution.q_values(h[-1], is_natural(h))
         tree = await hit_value(solution, policy, h, invalid_score=invalid_score, max_turns=max_turns,
                                budget=budget, target_width=target_width)
         out[h] = Truth(float(p_hit), float(p_stick), q_stick, tree.value, tree.width, invalid_score)
