@@ -194,7 +194,8 @@ NEEDS = {"--starts": ["--credit", "step"], "--decisions": ["--credit", "step"], 
          "--balance-actions": ["--credit", "step"], "--balance-later": ["--credit", "step", "--balance-actions"],
          "--scale-decisions": ["--credit", "step-tokens"],
          "--format-weight": ["--credit", "step-tokens"], "--rollouts": ["--credit", "step-rollouts"],
-         "--rollout-continuation": ["--credit", "step-rollouts"]}
+         "--rollout-continuation": ["--credit", "step-rollouts"],
+         "--rollout-refresh": ["--credit", "step-rollouts", "--rollout-continuation", "chart"]}
 # The positional arguments a command needs besides its flags.
 POSITIONAL = {"compare": ["runs/a", "runs/b"], "fidelity": ["groups.jsonl"]}
 

@@ -18,7 +18,7 @@ from blackjack_rl.game.table import HIT, STICK, Observation, Table
 from blackjack_rl.rollout.estimates import CallMemo, estimate_q
 from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.bots import OptimalBot, ThresholdBot
-from helpers import cli_env
+from helpers import cli_env, run_cli
 
 
 def test_a_resumed_hit_and_stick_see_the_same_cards_in_the_same_roles():
@@ -244,3 +244,91 @@ def test_reward_only_balancing_reads_the_estimate_not_the_solver(solution):
     weights = action_balance([group("hit", hit_better)] * 3 + [group("hit", stick_better)])
     assert weights == [2 / 3] * 3 + [2.0]
     assert action_balance([group("hit", None)] * 3 + [group("stick", None)]) == [2 / 3] * 3 + [2.0]
+
+
+def _snapshot_runner(solution, vocab_chat, refresh: int, policy: _Recorder):
+    from blackjack_rl.rollout.runner import DealRunner
+
+    config = GroupConfig(credit="step-rollouts", group_size=0, rollouts=16, starts="uniform", decisions="first",
+                         rollout_continuation="chart", rollout_refresh=refresh)
+    return DealRunner(Player(policy, vocab_chat, solution), config)
+
+
+def _estimates(runner, seeds) -> list[dict]:
+    deals = asyncio.run(runner.play_all(seeds))
+    return [r.group.episodes[0].q_estimate for d in deals for r in d.groups if r.group is not None]
+
+
+def test_a_snapshot_continuation_holds_for_its_steps_then_moves_on(solution, vocab_chat):
+    """--rollout-refresh 3: the continuation is the policy as scored at steps 1 and 4; steps 2 and
+    3 value the same deals exactly as step 1 did although the policy changed, and step 4 as a
+    fresh runner of the new policy does. All 280 chart prompts are scored at each snapshot."""
+    seeds = [11, 12, 13, 14]
+    policy = _Recorder(0.3)
+    runner = _snapshot_runner(solution, vocab_chat, 3, policy)
+    first = _estimates(runner, seeds)
+    assert len(first) == 4 and runner.snapshot is not None and len(runner.snapshot) == 280
+    assert runner.continuation_scored == 280  # the snapshot: the estimates needed nothing more
+    for p_call in (0.45, 0.6):
+        policy.p_call = p_call
+        assert _estimates(runner, seeds) == first
+    later = _estimates(runner, seeds)  # step 4: a new snapshot of the policy at p_call 0.6
+    assert later != first
+    assert later == _estimates(_snapshot_runner(solution, vocab_chat, 3, _Recorder(0.6)), seeds)
+    # without a snapshot the continuation is the policy of each step
+    plain = _snapshot_runner(solution, vocab_chat, 1, _Recorder(0.3))
+    assert _estimates(plain, seeds) == first
+    plain.player.policy.p_call = 0.45
+    assert _estimates(plain, seeds) != first
+
+
+def test_a_restored_snapshot_continues_as_the_saved_one(solution, vocab_chat):
+    """A checkpoint carries the snapshot and its age: a resumed run values its next steps with the
+    saved snapshot, not one of the resumed weights, and refreshes when the whole run would."""
+    import pickle
+
+    seeds = [21, 22]
+    runner = _snapshot_runner(solution, vocab_chat, 2, _Recorder(0.3))
+    first = _estimates(runner, seeds)
+    state = pickle.loads(pickle.dumps(runner.get_snapshot()))
+    resumed = _snapshot_runner(solution, vocab_chat, 2, _Recorder(0.7))
+    resumed.set_snapshot(state)
+    assert _estimates(resumed, seeds) == first  # step 2: the saved snapshot
+    assert _estimates(resumed, seeds) == _estimates(_snapshot_runner(solution, vocab_chat, 2, _Recorder(0.7)), seeds)
+
+
+def test_a_snapshot_needs_the_chart_continuation():
+    with pytest.raises(ValueError, match="--rollout-refresh holds a snapshot of the chart continuation"):
+        GroupConfig(credit="step-rollouts", group_size=0, rollout_refresh=5)
+    with pytest.raises(ValueError, match="--rollout-refresh holds a snapshot"):
+        GroupConfig(credit="step-counterfactual", rollout_refresh=5)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_its_continuation_snapshot(tiny_model_dir, tmp_path):
+    """Resumed after step 1 of a 3-step snapshot, steps 2 and 3 train exactly as in the whole run:
+    the snapshot scored with step 0's weights came back from the checkpoint."""
+    pytest.importorskip("torch")
+    common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "3", "--credit", "step-rollouts",
+              "--group-size", "0", "--rollouts", "4", "--starts", "uniform", "--rollout-continuation", "chart",
+              "--rollout-refresh", "3", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "0",
+              "--save-every", "1", "--lora", "--threads", "1", "--seed", "4", "--lr", "1e-2", "--steps", "3"]
+    whole = run_cli("train", *common, "--out", str(tmp_path / "whole"), cwd=tmp_path, timeout=900)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    resumed = run_cli("train", *common, "--out", str(tmp_path / "resumed"), "--resume",
+                      str(tmp_path / "whole" / "checkpoints" / "step_0001"), cwd=tmp_path, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+
+    def run(name: str) -> tuple[list, bytes]:
+        rows = [json.loads(x) for x in (tmp_path / name / "train_log.jsonl").read_text().splitlines()]
+        return ([(r["step"], r["loss"], r["mean_score"]) for r in rows if r["kind"] == "step" and r["step"] > 1],
+                (tmp_path / name / "checkpoints" / "step_0003" / "adapter_model.safetensors").read_bytes())
+
+    assert len(run("whole")[0]) == 2
+    assert run("whole") == run("resumed")
+    # the tiny model never writes a call, so every snapshot is alike: what shows that the saved
+    # one came back is that the resumed steps scored no snapshot, as the whole run's did not
+    scored = {name: [r["continuation_scored"] for r in map(json.loads, (tmp_path / name / "train_log.jsonl")
+                                                           .read_text().splitlines()) if r["kind"] == "step"]
+              for name in ("whole", "resumed")}
+    assert scored["whole"] == [280, 0, 0] and scored["resumed"][-2:] == [0, 0]

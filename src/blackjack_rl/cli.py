@@ -43,8 +43,9 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "train": TRAIN_SETTINGS,
     "fidelity": ("out", "policy", "episode.invalid_score", "episode.max_token_length", "game"),
 }
-# balancing decisions weighs the trainer's batches, which process and serve do not have
-_TRAIN_ONLY = ("groups.balance_actions", "groups.balance_later")
+# balancing decisions weighs the trainer's batches, and a continuation snapshot lasts training steps:
+# process and serve have neither
+_TRAIN_ONLY = ("groups.balance_actions", "groups.balance_later", "groups.rollout_refresh")
 WITHOUT: dict[str, tuple[str, ...]] = {"process": _TRAIN_ONLY, "serve": _TRAIN_ONLY}
 
 

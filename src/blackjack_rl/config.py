@@ -213,6 +213,11 @@ class GroupConfig(_Section):
                                "the game would show (its own Q^pi); chart: asked at the new hand's opening prompt, "
                                "as if it were a first decision (a Markov projection of the policy, whose prompts "
                                "repeat across steps, so the trainer's frozen trunk caches them)")
+    rollout_refresh: int = Field(
+        1, ge=1, le=100_000, description="train, step-rollouts with --rollout-continuation chart: training steps "
+                                         "a snapshot of the continuation serves: 1: the policy of the step itself; "
+                                         "N: its chart scored once and held for N steps, so the credit's target "
+                                         "stands still while the decisions move toward it (policy iteration)")
     decisions: Literal["all", "first"] = Field(
         "all", description="step modes: all: a group at every decision of a deal; first: at its first decision only "
                            "(later prompts carry the game's history)")
@@ -246,6 +251,10 @@ class GroupConfig(_Section):
                 if getattr(self, name) != defaults[name].default:
                     raise ValueError(f"--{name.replace('_', '-')} weighs per-token advantages: use --credit "
                                      f"episode-tokens, step-tokens or step-counterfactual (not {mode})")
+        if self.rollout_refresh != 1 and self.rollout_continuation != "chart":
+            raise ValueError("--rollout-refresh holds a snapshot of the chart continuation: it needs "
+                             "--credit step-rollouts --rollout-continuation chart (a history continuation's "
+                             "prompts cannot all be scored ahead)")
         for name in ("rollouts", "rollout_continuation"):
             if mode != "step-rollouts" and getattr(self, name) != defaults[name].default:
                 raise ValueError(f"--{name.replace('_', '-')} sets the rollouts of --credit step-rollouts (not {mode})")

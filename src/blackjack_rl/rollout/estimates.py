@@ -20,6 +20,13 @@ mean of the rewards it got: nothing of the solver enters, only what `Table` pays
 The estimate is of the policy's own Q^pi at the history, whose expectation over k is exact.
 Repeated continuation prompts are scored once per memo (a training step: the weights change
 between steps).
+
+**A snapshot continuation** (`chart_snapshot`): the chart continuation's 280 opening prompts
+scored once and held for several training steps. The credit then values both actions under a
+fixed continuation policy, so its target stands still while the trained decisions move toward
+it, and moves on at the next snapshot: approximate policy iteration. With the current policy
+continuing instead, the target moves with every step (hitting is worth little while the
+policy hits too often, and the reverse), a feedback loop the solver's Q* does not have.
 """
 
 from __future__ import annotations
@@ -70,6 +77,32 @@ class CallMemo:
 def rollout_seed(deal: int, decision: int, k: int) -> list[int]:
     """The card streams' key of rollout k at a decision of a deal."""
     return [deal & 0xFFFFFFFFFFFFFFFF, decision, k]
+
+
+def chart_observations() -> list[Observation]:
+    """Every hand the chart continuation can be asked at: the 280 cells of the strategy chart
+    (hard 4-21, soft 12-21, against each up card), which hold every hand a hit can lead to."""
+    hands = [(total, False) for total in range(4, 22)] + [(total, True) for total in range(12, 22)]
+    return [Observation(total, up, soft) for total, soft in hands for up in range(1, 11)]
+
+
+async def chart_snapshot(player: Player, memo: CallMemo) -> dict[Observation, tuple[float, float]]:
+    """The policy's (P(hit call), P(stick call)) at every chart cell's opening prompt, now
+    (scored through `memo`, which counts them)."""
+    observations = chart_observations()
+    prompts = [player.chat.prompt_ids(opening_messages(o, player.settings.thinking)) for o in observations]
+    return dict(zip(observations, await _call_probabilities(player, memo, prompts, observations)))
+
+
+def snapshot_memo(player: Player, snapshot: dict[Observation, tuple[float, float]]) -> CallMemo:
+    """A memo that answers every chart continuation prompt from `snapshot` (call it in the event
+    loop that will await it)."""
+    loop, memo = asyncio.get_running_loop(), CallMemo()
+    for obs, probs in snapshot.items():
+        future = loop.create_future()
+        future.set_result(probs)
+        memo.entries[tuple(player.chat.prompt_ids(opening_messages(obs, player.settings.thinking)))] = future
+    return memo
 
 
 async def estimate_q(player: Player, memo: CallMemo, prompt: Sequence[int], hand: list[int], observation: Observation,

@@ -17,7 +17,8 @@ from blackjack_rl.config import GroupConfig
 from blackjack_rl.contract.records import Status
 from blackjack_rl.rollout.core import GroupResult, limited
 from blackjack_rl.rollout.episodes import Episode
-from blackjack_rl.rollout.estimates import CallMemo
+from blackjack_rl.game.table import Observation
+from blackjack_rl.rollout.estimates import CallMemo, chart_snapshot, snapshot_memo
 from blackjack_rl.rollout.groups import play_group
 from blackjack_rl.rollout.players import Player
 from blackjack_rl.rollout.stepgroups import play_step_groups
@@ -103,6 +104,10 @@ class DealRunner:
         self.limiter = asyncio.Semaphore(concurrency) if concurrency is not None else None
         self.tally = Tally()
         self.memo = CallMemo()  # rollout credit's continuation prompts, scored once per policy version
+        # --rollout-refresh: the chart continuation's snapshot, and the steps it has served
+        self.snapshot: dict[Observation, tuple[float, float]] | None = None
+        self.snapshot_age = 0
+        self.snapshot_scored = 0  # prompts scored for a snapshot taken in the last play_all
 
     async def deal(self, seed: int) -> DealResult:
         """The groups one deal yields: one whole-episode group, or one group per decision."""
@@ -128,9 +133,36 @@ class DealRunner:
 
     async def play_all(self, seeds: list[int]) -> list[DealResult]:
         """Every deal at once; results in seed order. The trainer calls it once a step, after
-        the weights changed, so the continuation memo starts empty."""
-        self.memo = CallMemo()
+        the weights changed, so the continuation memo starts empty, or holds the snapshot while
+        it lasts (`rollout_refresh` steps)."""
+        self.memo, self.snapshot_scored = CallMemo(), 0
+        if self.config.rollout_refresh > 1:
+            if self.snapshot is None or self.snapshot_age >= self.config.rollout_refresh:
+                taken = CallMemo()
+                self.snapshot, self.snapshot_age = await chart_snapshot(self.player, taken), 0
+                self.snapshot_scored = taken.scored
+            self.memo = snapshot_memo(self.player, self.snapshot)
+            self.snapshot_age += 1
         return list(await asyncio.gather(*(self.deal(s) for s in seeds)))
+
+    @property
+    def continuation_scored(self) -> int:
+        """Prompts the rollout continuation had the policy score in the last `play_all`."""
+        return self.memo.scored + self.snapshot_scored
+
+    def get_snapshot(self) -> dict[str, Any] | None:
+        """The continuation snapshot and its age, for a checkpoint: a resumed run continues with
+        the same snapshot, since the weights it was scored with are gone."""
+        if self.snapshot is None:
+            return None
+        return {"age": self.snapshot_age, "chart": [[*obs, *probs] for obs, probs in self.snapshot.items()]}
+
+    def set_snapshot(self, state: dict[str, Any] | None) -> None:
+        self.snapshot = None if state is None else {
+            Observation(int(total), int(up), bool(soft)): (float(p_hit), float(p_stick))
+            for total, up, soft, p_hit, p_stick in state["chart"]
+        }
+        self.snapshot_age = 0 if state is None else int(state["age"])
 
     async def evaluation(self, n: int, first: int = 0,
                          on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:

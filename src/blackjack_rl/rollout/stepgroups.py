@@ -156,7 +156,8 @@ async def _decide(player: Player, config: GroupConfig, env: BlackjackEnv, game: 
     if env.turn:
         group.episodes[0].history = [list(d.state) for d in env.play.decisions]
     if estimate is not None:
-        group.generation_params.update(rollouts=estimate.k, rollout_continuation=config.rollout_continuation)
+        group.generation_params.update(rollouts=estimate.k, rollout_continuation=config.rollout_continuation,
+                                       rollout_refresh=config.rollout_refresh)
         group.episodes[0].q_estimate = {"stick": estimate.q_stick, "hit": estimate.q_hit}
         group.episodes[0].rollouts = estimate.k
     if config.token_advantages:

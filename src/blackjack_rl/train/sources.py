@@ -48,18 +48,26 @@ class LocalSource:
         step = Tally()
         for deal in deals:
             step.add(deal)
-        return [r.group for d in deals for r in d.groups if r.group is not None], {
+        info: dict[str, Any] = {
             "deals": step.deals,
             "dropped": step.groups_dropped,
             "episodes_failed": step.episodes_failed,
         }
+        if self.runner.config.credit == "step-rollouts":  # the credit's own forward passes
+            info["continuation_scored"] = self.runner.continuation_scored
+        return [r.group for d in deals for r in d.groups if r.group is not None], info
 
     def get_state(self) -> Any:
-        """Where the deal stream stands, so a resumed run plays the deals it would have played."""
-        return self.seeds.get_state()
+        """Where the deal stream stands, so a resumed run plays the deals it would have played,
+        and the rollout continuation's snapshot, which it continues with."""
+        return {"seeds": self.seeds.get_state(), "snapshot": self.runner.get_snapshot()}
 
     def set_state(self, state: Any) -> None:
-        self.seeds.set_state(state)
+        if isinstance(state, dict):
+            self.seeds.set_state(state["seeds"])
+            self.runner.set_snapshot(state["snapshot"])
+        else:  # a checkpoint written before snapshots: the deal stream's state alone
+            self.seeds.set_state(state)
 
     def close(self) -> None:
         pass
