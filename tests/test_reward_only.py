@@ -124,7 +124,7 @@ def test_rollout_groups_carry_their_estimate_and_credit_it(embedded, vocab_chat,
     deal = asyncio.run(play_step_groups(player, 11, config, memo=memo))
     group = deal.groups[0].group
     first = group.episodes[0]
-    assert first.rollouts == 8 and set(first.q_estimate) == {"stick", "hit"}
+    assert first.rollouts == 8 and set(first.q_estimate) == {"stick", "hit", "se_gap"}
     assert first.q_estimate != first.q  # an estimate from 8 rollouts, not the solver's value
     by_action = {r.action: i for i, r in enumerate(group.episodes)}
     assert group.scores[by_action["hit"]] == first.q_estimate["hit"]
@@ -332,3 +332,35 @@ def test_a_resumed_run_keeps_its_continuation_snapshot(tiny_model_dir, tmp_path)
                                                            .read_text().splitlines()) if r["kind"] == "step"]
               for name in ("whole", "resumed")}
     assert scored["whole"] == [280, 0, 0] and scored["resumed"][-2:] == [0, 0]
+
+
+def test_the_estimates_standard_error_is_the_paired_differences(solution, vocab_chat):
+    """se_gap is the standard error of q_hit - q_stick over the k paired rollouts: across
+    independent deals' keys its values match the spread of the estimated gaps themselves."""
+    player = Player(ThresholdBot(17), vocab_chat, solution)
+    obs = Observation(14, 9, False)
+
+    def estimate(deal: int, k: int):
+        return asyncio.run(estimate_q(player, CallMemo(), [], [9, 5], obs, deal, 0, k))
+
+    draws = [estimate(deal, 16) for deal in range(400)]
+    gaps = [d.q_hit - d.q_stick for d in draws]
+    mean = sum(gaps) / len(gaps)
+    spread = math.sqrt(sum((g - mean) ** 2 for g in gaps) / (len(gaps) - 1))
+    typical = math.sqrt(sum(d.se_gap ** 2 for d in draws) / len(draws))
+    assert typical == pytest.approx(spread, rel=0.15)
+    assert estimate(1, 1).se_gap == 0.0
+
+
+def test_a_gap_within_its_noise_keeps_a_small_scale():
+    """Scaled credit divides by max(|gap|, 0.05, 2 se): a decision whose estimated gap is within
+    two standard errors of zero is not blown up to full size; a clear one still is."""
+    from blackjack_rl.rollout.credit import AnswerCredit, decision_advantages
+
+    calls = [AnswerCredit(True, 1, True), AnswerCredit(True, 0, True)]
+    p = {1: 0.5, 0: 0.5}
+    clear = decision_advantages(calls, (-0.5, 0.3), p, scale=True, se_gap=0.05)
+    assert clear == pytest.approx([0.25, -0.25])  # p(a) (Q(a) - V) / |gap|: as before
+    noisy = decision_advantages(calls, (-0.5, -0.44), p, scale=True, se_gap=0.06)
+    assert noisy == pytest.approx([0.5 * 0.03 / 0.12, -0.5 * 0.03 / 0.12])
+    assert decision_advantages(calls, (-0.5, -0.44), p, scale=True) == pytest.approx([0.25, -0.25])

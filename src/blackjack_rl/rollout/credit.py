@@ -36,6 +36,9 @@ from blackjack_rl.contract.tokens import MASKED, Trajectory, trained_spans
 # Decisions whose two actions differ by less than this keep their (small) value scale when
 # scaled: they barely matter to the game, so they must not weigh as much as one that does.
 DECISION_SCALE_FLOOR = 0.05
+# An estimated gap (reward only) within this many standard errors of zero is noise as much as
+# signal: scaled, it is floored there, so its sign, a coin toss, does not get full weight.
+ESTIMATE_FLOOR_SE = 2.0
 
 # The action value inside a call, e.g. `"action": "hit"`; the last match is the call's.
 _ACTION_VALUE = re.compile(r"""["']action["']\s*:\s*["']\s*(hit|stick)\s*["']""", re.IGNORECASE)
@@ -141,14 +144,15 @@ def call_probabilities(logprob_hit: float, logprob_stick: float) -> dict[int, fl
 
 
 def decision_advantages(answers: Sequence[AnswerCredit], q: Sequence[float],
-                        p_call: dict[int, float] | None, scale: bool = False) -> list[float]:
+                        p_call: dict[int, float] | None, scale: bool = False, se_gap: float = 0.0) -> list[float]:
     """The decision credit of each answer's action tokens (see the module docstring).
 
-    `q` is (Q*(s, stick), Q*(s, hit)); `p_call` the policy's probabilities of the two forced
-    calls, given when the group holds them; `scale` divides by the decision's spread.
+    `q` is (Q*(s, stick), Q*(s, hit)), or the rollouts' estimates with `se_gap` the standard
+    error of their difference; `p_call` the policy's probabilities of the two forced calls,
+    given when the group holds them; `scale` divides by the decision's spread.
     """
     if scale:
-        gap = max(abs(q[1] - q[0]), DECISION_SCALE_FLOOR)
+        gap = max(abs(q[1] - q[0]), DECISION_SCALE_FLOOR, ESTIMATE_FLOOR_SE * se_gap)
         q = (q[0] / gap, q[1] / gap)
     counterfactual = any(a.forced for a in answers)
     if counterfactual and p_call is None:

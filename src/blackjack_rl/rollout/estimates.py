@@ -55,6 +55,7 @@ class QEstimate:
     q_hit: float
     k: int
     continuation_prompts: int  # distinct history prompts the continuation needed
+    se_gap: float = 0.0  # standard error of q_hit - q_stick, from the k paired differences (0 when k = 1)
 
     @property
     def q(self) -> tuple[float, float]:
@@ -138,7 +139,17 @@ async def estimate_q(player: Player, memo: CallMemo, prompt: Sequence[int], hand
     settings = player.settings
     stick = [p.stick_rewards[0] for p in paths]
     hit = [_hit_value(p, probs, decision, settings.max_turns, settings.invalid_score) for p in paths]
-    return QEstimate(math.fsum(stick) / k, math.fsum(hit) / k, k, len(keys))
+    return QEstimate(math.fsum(stick) / k, math.fsum(hit) / k, k, len(keys), _standard_error(hit, stick))
+
+
+def _standard_error(hit: list[float], stick: list[float]) -> float:
+    """The standard error of mean(hit) - mean(stick) over paired rollouts (common cards)."""
+    k = len(hit)
+    if k < 2:
+        return 0.0
+    diffs = [h - s for h, s in zip(hit, stick)]
+    mean = math.fsum(diffs) / k
+    return math.sqrt(math.fsum((d - mean) ** 2 for d in diffs) / (k - 1) / k)
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,11 +158,12 @@ async def _decide(player: Player, config: GroupConfig, env: BlackjackEnv, game: 
     if estimate is not None:
         group.generation_params.update(rollouts=estimate.k, rollout_continuation=config.rollout_continuation,
                                        rollout_refresh=config.rollout_refresh)
-        group.episodes[0].q_estimate = {"stick": estimate.q_stick, "hit": estimate.q_hit}
+        group.episodes[0].q_estimate = {"stick": estimate.q_stick, "hit": estimate.q_hit, "se_gap": estimate.se_gap}
         group.episodes[0].rollouts = estimate.k
     if config.token_advantages:
         formats = validity_advantages(credits, settings.invalid_score, settings.format_bonus, config.format_weight, p_valid)
-        decisions = decision_advantages(credits, credit_q, p_call, config.scale_decisions)
+        decisions = decision_advantages(credits, credit_q, p_call, config.scale_decisions,
+                                        estimate.se_gap if estimate is not None else 0.0)
         answers = [[AnswerAdvantage(r.text, c.valid, d)] for r, c, d in zip(replies, credits, decisions)]
         group.advantages = token_advantages(sequences, answers, formats, player.chat.backend.decode)
     return _Decision(replies, sequences, scores, p_call, turn.seed, group)
