@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from blackjack_rl.contract.protocol import HIT, STICK, observation_text, tool_call_text
+from blackjack_rl.game.solver import GRID_STATES
 from blackjack_rl.game.table import Observation, Table
 from blackjack_rl.policies.base import KnowsItsPolicy, ScoresAnswers
 from blackjack_rl.rollout.episodes import opening_messages
@@ -80,17 +81,10 @@ def rollout_seed(deal: int, decision: int, k: int) -> list[int]:
     return [deal & 0xFFFFFFFFFFFFFFFF, decision, k]
 
 
-def chart_observations() -> list[Observation]:
-    """Every hand the chart continuation can be asked at: the 280 cells of the strategy chart
-    (hard 4-21, soft 12-21, against each up card), which hold every hand a hit can lead to."""
-    hands = [(total, False) for total in range(4, 22)] + [(total, True) for total in range(12, 22)]
-    return [Observation(total, up, soft) for total, soft in hands for up in range(1, 11)]
-
-
 async def chart_snapshot(player: Player, memo: CallMemo) -> dict[Observation, tuple[float, float]]:
     """The policy's (P(hit call), P(stick call)) at every chart cell's opening prompt, now
     (scored through `memo`, which counts them)."""
-    observations = chart_observations()
+    observations = list(GRID_STATES)  # every hand a hit can lead to is a chart cell
     prompts = [player.chat.prompt_ids(opening_messages(o, player.settings.thinking)) for o in observations]
     return dict(zip(observations, await _call_probabilities(player, memo, prompts, observations)))
 
