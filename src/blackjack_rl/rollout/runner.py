@@ -15,9 +15,9 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 from blackjack_rl.config import GroupConfig
 from blackjack_rl.contract.records import Status
+from blackjack_rl.game.table import Observation
 from blackjack_rl.rollout.core import GroupResult, limited
 from blackjack_rl.rollout.episodes import Episode
-from blackjack_rl.game.table import Observation
 from blackjack_rl.rollout.estimates import CallMemo, chart_snapshot, snapshot_memo
 from blackjack_rl.rollout.groups import play_group
 from blackjack_rl.rollout.players import Player
