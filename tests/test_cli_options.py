@@ -195,7 +195,8 @@ NEEDS = {"--starts": ["--credit", "step"], "--decisions": ["--credit", "step"], 
          "--scale-decisions": ["--credit", "step-tokens"],
          "--format-weight": ["--credit", "step-tokens"], "--rollouts": ["--credit", "step-rollouts"],
          "--rollout-continuation": ["--credit", "step-rollouts"],
-         "--rollout-refresh": ["--credit", "step-rollouts", "--rollout-continuation", "chart"]}
+         "--rollout-refresh": ["--credit", "step-rollouts", "--rollout-continuation", "chart"],
+         "--forced-weight": ["--credit", "step-counterfactual"]}
 # The positional arguments a command needs besides its flags.
 POSITIONAL = {"compare": ["runs/a", "runs/b"], "fidelity": ["groups.jsonl"]}
 

@@ -364,3 +364,27 @@ def test_a_gap_within_its_noise_keeps_a_small_scale():
     noisy = decision_advantages(calls, (-0.5, -0.44), p, scale=True, se_gap=0.06)
     assert noisy == pytest.approx([0.5 * 0.03 / 0.12, -0.5 * 0.03 / 0.12])
     assert decision_advantages(calls, (-0.5, -0.44), p, scale=True) == pytest.approx([0.25, -0.25])
+
+
+def test_unweighted_forced_credit_does_not_vanish_where_the_policy_is_sure():
+    """--forced-weight none: each forced call gets Q(a) - V_p. Summed over the two calls, the
+    gradient on the logit difference is (p_hit^2 + p_stick^2) (Q(hit) - Q(stick)), at least half
+    the gap at any policy, where the all-action credit p(a) (Q(a) - V_p) gives p_hit p_stick times
+    the gap, nothing at a policy sure of one call."""
+    from blackjack_rl.rollout.credit import AnswerCredit, decision_advantages
+
+    calls = [AnswerCredit(True, 1, True), AnswerCredit(True, 0, True)]
+    q = (-0.2, 0.3)  # hitting is better by 0.5
+    for p_hit in (1e-6, 0.2, 0.5, 0.9):
+        p = {1: p_hit, 0: 1 - p_hit}
+        weighted = decision_advantages(calls, q, p)
+        plain = decision_advantages(calls, q, p, weigh_forced=False)
+
+        def on_logit(credits):  # d log p(hit)/dz = p_stick, d log p(stick)/dz = -p_hit
+            return credits[0] * p[0] - credits[1] * p[1]
+
+        assert on_logit(weighted) == pytest.approx(p_hit * (1 - p_hit) * 0.5)
+        assert on_logit(plain) == pytest.approx((p_hit ** 2 + (1 - p_hit) ** 2) * 0.5)
+        assert on_logit(plain) >= 0.25
+    with pytest.raises(ValueError, match="--forced-weight weighs the forced calls"):
+        GroupConfig(credit="step", forced_weight="none")

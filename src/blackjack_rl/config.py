@@ -218,6 +218,10 @@ class GroupConfig(_Section):
                                          "a snapshot of the continuation serves: 1: the policy of the step itself; "
                                          "N: its chart scored once and held for N steps, so the credit's target "
                                          "stands still while the decisions move toward it (policy iteration)")
+    forced_weight: Literal["policy", "none"] = Field(
+        "policy", description="step-counterfactual, step-rollouts: the forced calls' credit: policy: p(a) (Q(a) - V), "
+                              "the exact all-action gradient, which vanishes where the policy is sure of one call; "
+                              "none: Q(a) - V, so a policy sure of the wrong call still learns the other")
     decisions: Literal["all", "first"] = Field(
         "all", description="step modes: all: a group at every decision of a deal; first: at its first decision only "
                            "(later prompts carry the game's history)")
@@ -251,6 +255,9 @@ class GroupConfig(_Section):
                 if getattr(self, name) != defaults[name].default:
                     raise ValueError(f"--{name.replace('_', '-')} weighs per-token advantages: use --credit "
                                      f"episode-tokens, step-tokens or step-counterfactual (not {mode})")
+        if self.forced_weight != "policy" and not self.counterfactual:
+            raise ValueError("--forced-weight weighs the forced calls of --credit step-counterfactual or "
+                             f"step-rollouts (not {mode})")
         if self.rollout_refresh != 1 and self.rollout_continuation != "chart":
             raise ValueError("--rollout-refresh holds a snapshot of the chart continuation: it needs "
                              "--credit step-rollouts --rollout-continuation chart (a history continuation's "

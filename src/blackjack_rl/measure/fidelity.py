@@ -14,7 +14,7 @@ What counts as a group's credit for an action (`credit_samples`):
 - with per-token `advantages`: the advantage on the answer's action word minus that on its first
   token (the format credit our token modes put on every token), and for a forced call of a
   counterfactual group divided by the policy's probability of that call (its credit is the
-  all-action term p(a) * (Q(a) - V));
+  all-action term p(a) * (Q(a) - V), unless the group records `forced_weight: none`);
 - without: GRPO's scalar advantage of the sequence (score - mean, over the std), which the
   trainer puts on every token, so every decision of a whole episode gets its episode's.
 """
@@ -204,7 +204,7 @@ def _step_samples(group: ScoredDataGroup, records: Sequence[StepRecord], scalar:
             credit = scalar[i]
         else:
             credit = _action_word_credit(group, i, 0, decode)
-            if r.forced:
+            if r.forced and group.generation_params.get("forced_weight", "policy") == "policy":
                 p = (first.p_call or {}).get(r.action)
                 if not p:
                     continue  # a call the policy never writes carries (and teaches) nothing

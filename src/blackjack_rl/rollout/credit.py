@@ -144,12 +144,17 @@ def call_probabilities(logprob_hit: float, logprob_stick: float) -> dict[int, fl
 
 
 def decision_advantages(answers: Sequence[AnswerCredit], q: Sequence[float],
-                        p_call: dict[int, float] | None, scale: bool = False, se_gap: float = 0.0) -> list[float]:
+                        p_call: dict[int, float] | None, scale: bool = False, se_gap: float = 0.0,
+                        weigh_forced: bool = True) -> list[float]:
     """The decision credit of each answer's action tokens (see the module docstring).
 
     `q` is (Q*(s, stick), Q*(s, hit)), or the rollouts' estimates with `se_gap` the standard
     error of their difference; `p_call` the policy's probabilities of the two forced calls,
-    given when the group holds them; `scale` divides by the decision's spread.
+    given when the group holds them; `scale` divides by the decision's spread. Without
+    `weigh_forced` a forced call gets Q(a) - V_p instead of p(a) (Q(a) - V_p): summed over the
+    two calls the gradient is (p_hit^2 + p_stick^2) (Q(hit) - Q(stick)) on the logit difference
+    instead of p_hit p_stick (Q(hit) - Q(stick)), which never falls below half the gap, so a
+    policy that became sure of one call can still learn the other.
     """
     if scale:
         gap = max(abs(q[1] - q[0]), DECISION_SCALE_FLOOR, ESTIMATE_FLOOR_SE * se_gap)
@@ -164,7 +169,7 @@ def decision_advantages(answers: Sequence[AnswerCredit], q: Sequence[float],
         if not a.valid or a.action is None:
             out.append(0.0)
         elif a.forced:
-            out.append(p_call[a.action] * (q[a.action] - v_p))
+            out.append((p_call[a.action] if weigh_forced else 1.0) * (q[a.action] - v_p))
         else:
             out.append(0.0 if counterfactual else q[a.action] - baseline)
     return out

@@ -151,6 +151,8 @@ async def _decide(player: Player, config: GroupConfig, env: BlackjackEnv, game: 
                        records, {**player.policy.generation_params(), "group_by": GROUP_BY_STEP})
     if config.counterfactual:
         group.generation_params["counterfactual"] = True
+        if config.forced_weight != "policy":
+            group.generation_params["forced_weight"] = config.forced_weight
         group.episodes[0].p_call = {"hit": p_call[HIT], "stick": p_call[STICK]}
         group.episodes[0].p_valid = p_valid
     if env.turn:
@@ -163,7 +165,8 @@ async def _decide(player: Player, config: GroupConfig, env: BlackjackEnv, game: 
     if config.token_advantages:
         formats = validity_advantages(credits, settings.invalid_score, settings.format_bonus, config.format_weight, p_valid)
         decisions = decision_advantages(credits, credit_q, p_call, config.scale_decisions,
-                                        estimate.se_gap if estimate is not None else 0.0)
+                                        estimate.se_gap if estimate is not None else 0.0,
+                                        config.forced_weight == "policy")
         answers = [[AnswerAdvantage(r.text, c.valid, d)] for r, c, d in zip(replies, credits, decisions)]
         group.advantages = token_advantages(sequences, answers, formats, player.chat.backend.decode)
     return _Decision(replies, sequences, scores, p_call, turn.seed, group)
