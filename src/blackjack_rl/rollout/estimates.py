@@ -85,8 +85,13 @@ async def chart_snapshot(player: Player, memo: CallMemo) -> dict[Observation, tu
     """The policy's (P(hit call), P(stick call)) at every chart cell's opening prompt, now
     (scored through `memo`, which counts them)."""
     observations = list(GRID_STATES)  # every hand a hit can lead to is a chart cell
-    prompts = [player.chat.prompt_ids(opening_messages(o, player.settings.thinking)) for o in observations]
+    prompts = [_opening_ids(player, o) for o in observations]
     return dict(zip(observations, await _call_probabilities(player, memo, prompts, observations)))
+
+
+def _opening_ids(player: Player, obs: Observation) -> list[int]:
+    """The chart continuation's prompt for a hand: its opening prompt, as at a first decision."""
+    return player.chat.prompt_ids(opening_messages(obs, player.settings.thinking))
 
 
 def snapshot_memo(player: Player, snapshot: dict[Observation, tuple[float, float]]) -> CallMemo:
@@ -96,7 +101,7 @@ def snapshot_memo(player: Player, snapshot: dict[Observation, tuple[float, float
     for obs, probs in snapshot.items():
         future = loop.create_future()
         future.set_result(probs)
-        memo.entries[tuple(player.chat.prompt_ids(opening_messages(obs, player.settings.thinking)))] = future
+        memo.entries[tuple(_opening_ids(player, obs))] = future
     return memo
 
 
@@ -124,7 +129,7 @@ async def estimate_q(player: Player, memo: CallMemo, prompt: Sequence[int], hand
             if decision + depth >= player.settings.max_turns:
                 break  # the turn limit ends the game after this hit: no prompt is asked
             if chart:
-                ids = player.chat.prompt_ids(opening_messages(obs, player.settings.thinking))
+                ids = _opening_ids(player, obs)
             else:
                 ids = [*ids, *hit_ids, *player.chat.next_turn_ids(observation_text(*obs))]
             prompts.setdefault(path.hands[:depth], ids)
