@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 
 import pytest
 
 from blackjack_rl.game.solver import CARD_PROBS, GRID_STATES, after_hit
+from blackjack_rl.contract.protocol import tool_call_text
+from blackjack_rl.contract.tokens import common_prefix_length
 from blackjack_rl.game.table import HIT, STICK
 from blackjack_rl.measure.fidelity import exact_truths, fidelity_scores
 from blackjack_rl.measure.probe import node_policy
@@ -132,3 +135,84 @@ def test_step_groups_after_a_hit_are_placed_by_the_history_they_carry(tmp_path):
     scores = json.loads((out / "fidelity.json").read_text())["scores"]
     assert scores["after_hit"]["decisions"] > 50
     assert 0.5 < scores["all"]["sign_weighted"] < 1.0
+
+
+class _SameEverywhere:
+    """A policy that writes each call with the same probability at every prompt: the chart
+    continuation's Markov projection of it is the policy itself, so rollouts estimate its A^pi.
+    The call's probability sits on its action token, however the call is split into answers."""
+
+    name = "same-everywhere"
+    temperature = 1.0
+
+    def __init__(self, chat, p_hit: float = 0.5, p_stick: float = 0.4) -> None:
+        calls = [chat.answer_ids(tool_call_text(a)) for a in (HIT, STICK)]
+        at = common_prefix_length(calls)
+        self.logp = {calls[0][at]: math.log(p_hit), calls[1][at]: math.log(p_stick)}
+
+    async def answer_logprobs(self, prompt_ids, answers, temperature=None):
+        return (await self.answer_logprobs_many([(prompt_ids, answers)]))[0]
+
+    async def answer_logprobs_many(self, items, temperature=None, same_kernels=True):
+        return [[[self.logp.get(t, 0.0) for t in a] for a in answers] for _, answers in items]
+
+    def generation_params(self):
+        return {}
+
+    async def respond(self, turn):
+        raise NotImplementedError
+
+    async def aclose(self):
+        pass
+
+
+def test_probe_deals_come_in_pairs_that_open_on_one_state(solution, vocab_chat):
+    from blackjack_rl.config import GroupConfig
+    from blackjack_rl.game.table import Table
+    from blackjack_rl.rollout.runner import PROBE_SEED_BASE, probe_seeds
+    from blackjack_rl.rollout.stepgroups import chart_start
+
+    player = Player(_SameEverywhere(vocab_chat), vocab_chat, solution)
+    for config in (GroupConfig(credit="step-rollouts", group_size=0, starts="uniform"), GroupConfig()):
+        seeds = probe_seeds(player, config, 20)
+        assert len(seeds) == 40 == len(set(seeds)) and min(seeds) >= PROBE_SEED_BASE
+        assert probe_seeds(player, config, 20) == seeds  # fixed deals
+        table = Table(solution.rules)
+
+        def opening(seed: int):
+            start = chart_start(seed, solution, config.starts) if config.group_by == "step" else None
+            return table.reset(seed, start=start)
+
+        assert all(opening(a) == opening(b) for a, b in zip(seeds[::2], seeds[1::2]))
+        assert len({opening(s) for s in seeds}) > 5  # not one state over and over
+
+
+def test_a_probe_scores_the_rollouts_credit_against_the_policys_own_advantage(solution, vocab_chat):
+    """The trainer's probe (the same credit as a step, at fixed deals) read against A^pi: rollouts
+    of a policy that plays alike at every prompt agree with its exact advantage in sign and size,
+    every pair of deals gives a noise pair per action, and the step's deal stream is untouched."""
+    from blackjack_rl.config import GroupConfig
+    from blackjack_rl.jobs.fidelity import PROBE_BUDGET, PROBE_WIDTH, exact_fidelity, samples_of
+    from blackjack_rl.rollout.runner import probe_seeds
+    from blackjack_rl.train.sources import LocalSource
+
+    config = GroupConfig(credit="step-rollouts", group_size=0, rollouts=64, starts="uniform", decisions="first",
+                         rollout_continuation="chart")
+    player = Player(_SameEverywhere(vocab_chat), vocab_chat, solution)
+    source = LocalSource(player, config, deals_per_step=4, seed=0)
+    stream = source.seeds.get_state()
+    groups = source.probe(probe_seeds(player, config, 12))
+    fidelity = asyncio.run(exact_fidelity(samples_of(groups, player, True), player, budget=PROBE_BUDGET,
+                                          target_width=PROBE_WIDTH))
+    scores = fidelity.scores["all"]
+    assert scores.decisions == 48 and scores.noise_pairs == 24
+    assert scores.sign_clear >= 0.85 and scores.correlation >= 0.95
+    # A^pi counts the 10% of answers that are no call as forfeits (-1); the credit's baseline is
+    # the value over the two calls alone, so it is lower by 0.1 (V_calls + 1): a bias the scores show
+    truths = asyncio.run(exact_truths(solution, node_policy(player), [s.history for s in samples_of(groups, player, True)],
+                                      invalid_score=-1.0, max_turns=player.settings.max_turns,
+                                      budget=PROBE_BUDGET, target_width=PROBE_WIDTH))
+    expected = [-0.1 * ((0.5 * t.q_hit + 0.4 * t.q_stick) / 0.9 + 1.0) for t in truths.values()]
+    assert scores.bias == pytest.approx(sum(expected) / len(expected), abs=0.02)
+    assert scores.bias < -0.03
+    assert source.seeds.get_state() == stream

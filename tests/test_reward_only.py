@@ -388,3 +388,37 @@ def test_unweighted_forced_credit_does_not_vanish_where_the_policy_is_sure():
         assert on_logit(plain) >= 0.25
     with pytest.raises(ValueError, match="--forced-weight weighs the forced calls"):
         GroupConfig(credit="step", forced_weight="none")
+
+
+@pytest.mark.slow
+def test_the_trainers_fidelity_probe_measures_without_changing_training(tiny_model_dir, tmp_path):
+    """--fidelity-every: each probed step logs its credit's scores against A^pi at fixed pairs of
+    probe deals, and the run trains exactly the losses and adapter bytes of a run without it."""
+    pytest.importorskip("torch")
+    common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "3", "--credit", "step-rollouts",
+              "--group-size", "0", "--rollouts", "4", "--starts", "uniform", "--rollout-continuation", "chart",
+              "--rollout-refresh", "2", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "0",
+              "--save-every", "3", "--lora", "--threads", "1", "--seed", "5", "--lr", "1e-2", "--steps", "3"]
+    runs = {}
+    for name, extra in (("plain", []), ("probed", ["--fidelity-every", "2", "--fidelity-probes", "3"])):
+        proc = run_cli("train", *common, *extra, "--out", str(tmp_path / name), cwd=tmp_path, timeout=900)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        rows = [json.loads(x) for x in (tmp_path / name / "train_log.jsonl").read_text().splitlines()]
+        runs[name] = ([(r["loss"], r["elapsed"] >= 0) for r in rows if r["kind"] == "step"],
+                      (tmp_path / name / "checkpoints" / "step_0003" / "adapter_model.safetensors").read_bytes(),
+                      rows)
+    assert runs["plain"][:2] == runs["probed"][:2]
+    probed = [r for r in runs["probed"][2] if r["kind"] == "step" and "fidelity" in r]
+    assert [r["step"] for r in probed] == [2]
+    row = probed[0]
+    assert row["fidelity_of"] == "probe" and row["fidelity_deals"] == 6 and row["fidelity_credit_tokens"] > 0
+    scores = row["fidelity"]["scores"]["all"]
+    # three pairs of deals, each opening on one state, both calls forced at each: two noise pairs a pair
+    assert scores["decisions"] == 12 and scores["noise_pairs"] == 6
+    assert row["fidelity_seconds"] > 0 and "fidelity @ step 2" in proc.stdout
+
+
+def test_fidelity_probes_need_fidelity_every(tmp_path):
+    proc = run_cli("train", "--fidelity-probes", "4", "--out", str(tmp_path / "x"), cwd=tmp_path)
+    assert proc.returncode != 0 and "add --fidelity-every" in proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr

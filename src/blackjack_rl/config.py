@@ -390,6 +390,13 @@ class TrainConfig(_Section):
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only the final model)")
     grid_every: int = Field(1, ge=0, description="exact strategy-chart evaluation every N steps (0: only with "
                                                  "the sampled evaluations)")
+    fidelity_every: int = Field(0, ge=0, description="score the step's credit against the exact advantage A^pi of the "
+                                                     "policy that played it, every N steps (0: never; not counted as "
+                                                     "training time): local, on fixed probe deals; api, on the "
+                                                     "pulled batch, against the trainer's policy")
+    fidelity_probes: int = Field(16, ge=1, le=1_000, description="local: pairs of fixed probe deals for "
+                                                                 "--fidelity-every, each pair opening on one state "
+                                                                 "(two independent draws of its credit)")
     game_budget: int = Field(400, ge=0, le=100_000, description="histories of the whole game each chart reads, its "
                                                                  "~270 first decisions included (0: the chart alone; "
                                                                  "a history after a hit costs about a chart cell)")

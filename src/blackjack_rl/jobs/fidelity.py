@@ -21,6 +21,10 @@ from blackjack_rl.policies.base import KnowsItsPolicy
 from blackjack_rl.rollout.players import Player
 
 MAX_LINE_BYTES = 64 * 2**20  # one group a line; a longer line is not a group we wrote
+FIDELITY_BUDGET = 1_000  # histories below each probed one that Q^pi(h, hit)'s tree may read
+# A trainer's periodic probe reads the model at every history it scores, between steps: a smaller
+# tree, its certified width logged beside the scores
+PROBE_BUDGET, PROBE_WIDTH = 200, 0.01
 
 
 @dataclass
@@ -31,6 +35,15 @@ class FidelityRun:
     max_width: float  # the widest certified interval of a Q^pi(h, hit) used
     seconds: float
     out_file: Path
+
+
+def samples_of(groups: list[ScoredDataGroup], player: Player, scale: bool) -> list[CreditSample]:
+    """The credit samples of groups in memory (a trainer's batch or probe)."""
+    table = player.tables.acquire()
+    try:
+        return [s for g in groups for s in credit_samples(g, table, player.chat.backend.decode, scale)]
+    finally:
+        player.tables.release(table)
 
 
 def read_samples(path: Path, player: Player, max_decisions: int, scale: bool) -> tuple[list[CreditSample], int]:
@@ -62,10 +75,22 @@ def read_samples(path: Path, player: Player, max_decisions: int, scale: bool) ->
     return samples, groups
 
 
-async def run_fidelity(path: Path, player: Player, out: Path, *, max_decisions: int = 2_000, budget: int = 1_000,
-                       target_width: float = 0.002, scale: bool = True) -> FidelityRun:
-    t0 = time.perf_counter()
-    samples, groups = read_samples(path, player, max_decisions, scale)
+@dataclass
+class Fidelity:
+    """A set of credit samples scored against A^pi of one policy."""
+
+    scores: dict[str, FidelityScores]  # "all", "first" (first decisions), "after_hit"
+    histories: int
+    max_width: float  # the widest certified interval of a Q^pi(h, hit) used
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"histories": self.histories, "max_q_hit_width": self.max_width,
+                "scores": {k: v.to_dict() for k, v in self.scores.items()}}
+
+
+async def exact_fidelity(samples: list[CreditSample], player: Player, *, budget: int = FIDELITY_BUDGET,
+                         target_width: float = 0.002) -> Fidelity:
+    """Each sample against A^pi of `player`'s policy at its history, all of them and by turn."""
     settings = player.settings
     if isinstance(player.policy, KnowsItsPolicy):  # a bot's probabilities cost nothing: cover its trees
         target_width = 0.0
@@ -77,13 +102,21 @@ async def run_fidelity(path: Path, player: Player, out: Path, *, max_decisions: 
         "first": score_samples([s for s in samples if len(s.history) == 1], truths),
         "after_hit": score_samples([s for s in samples if len(s.history) > 1], truths),
     }
-    run = FidelityRun(scores, groups, len(truths), max((t.q_hit_width for t in truths.values()), default=0.0),
-                      time.perf_counter() - t0, out / "fidelity.json")
+    return Fidelity(scores, len(truths), max((t.q_hit_width for t in truths.values()), default=0.0))
+
+
+async def run_fidelity(path: Path, player: Player, out: Path, *, max_decisions: int = 2_000,
+                       budget: int = FIDELITY_BUDGET, target_width: float = 0.002, scale: bool = True) -> FidelityRun:
+    t0 = time.perf_counter()
+    samples, groups = read_samples(path, player, max_decisions, scale)
+    fidelity = await exact_fidelity(samples, player, budget=budget, target_width=target_width)
+    run = FidelityRun(fidelity.scores, groups, fidelity.histories, fidelity.max_width, time.perf_counter() - t0,
+                      out / "fidelity.json")
     out.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {
         "groups_file": str(path), "policy": player.policy.generation_params(), "groups": groups,
         "histories": run.histories, "max_q_hit_width": run.max_width, "budget": budget,
-        "seconds": run.seconds, "scores": {k: v.to_dict() for k, v in scores.items()},
+        "seconds": run.seconds, "scores": {k: v.to_dict() for k, v in run.scores.items()},
     }
     tmp = run.out_file.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

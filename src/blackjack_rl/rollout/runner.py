@@ -21,7 +21,7 @@ from blackjack_rl.rollout.episodes import Episode
 from blackjack_rl.rollout.estimates import CallMemo, chart_snapshot, snapshot_memo
 from blackjack_rl.rollout.groups import play_group
 from blackjack_rl.rollout.players import Player
-from blackjack_rl.rollout.stepgroups import play_step_groups
+from blackjack_rl.rollout.stepgroups import chart_start, play_step_groups
 
 # Training deals are drawn below 2**32; evaluation deals start far above, so the two
 # sets can never overlap, and episode i of every evaluation is the same deal.
@@ -31,6 +31,36 @@ EVAL_SEED_BASE = 10**12
 def eval_seeds(n: int, first: int = 0) -> range:
     """Evaluation deals first..first+n-1 (a shard of a larger evaluation starts past 0)."""
     return range(EVAL_SEED_BASE + first, EVAL_SEED_BASE + first + n)
+
+
+# Fidelity probes (`probe_seeds`): a third set of deals, apart from training and evaluation.
+PROBE_SEED_BASE = 2 * 10**12
+PROBE_SEARCH = 200  # deals looked at per pair asked for, at most: every state of the chart pairs up long before
+
+
+def probe_seeds(player: Player, config: GroupConfig, pairs: int) -> list[int]:
+    """2 x `pairs` fixed deals, in consecutive pairs whose first decision is the same state.
+
+    A credit scheme's noise needs two independent draws of its credit at one decision. Two
+    deals that open on the same state are that: the prompt is the same (it shows the state, not
+    the cards), and every later card differs. The states come as the config's deals bring
+    them (dealt, or its chart starts), so the probe weighs states as training does."""
+    table = player.tables.acquire()
+    try:
+        waiting: dict[Observation, int] = {}
+        out: list[int] = []
+        for seed in range(PROBE_SEED_BASE, PROBE_SEED_BASE + PROBE_SEARCH * pairs):
+            if len(out) == 2 * pairs:
+                break
+            start = chart_start(seed, player.solution, config.starts) if config.group_by == "step" else None
+            obs = table.reset(seed, start=start)
+            if obs in waiting:
+                out += [waiting.pop(obs), seed]
+            else:
+                waiting[obs] = seed
+        return out
+    finally:
+        player.tables.release(table)
 
 
 class SeedStream:

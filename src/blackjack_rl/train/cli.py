@@ -75,6 +75,12 @@ def check_given(given: dict[str, Any], settings: Any) -> None:
         for name in _API_ONLY:
             if name in t:
                 raise ValueError(f"--{name.replace('_', '-')} is for groups pulled from the API: add --source api")
+    if "fidelity_probes" in t:
+        if not settings.train.fidelity_every:
+            raise ValueError("--fidelity-probes sizes the probe of --fidelity-every: add --fidelity-every N")
+        if settings.train.source == "api":
+            raise ValueError("--fidelity-probes: with --source api, fidelity scores the pulled batch itself, "
+                             "not probe deals")
     if not settings.train.lora:
         for name in _LORA_ONLY:
             if name in t:

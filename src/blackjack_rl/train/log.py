@@ -61,6 +61,22 @@ def eval_line(row: dict[str, Any]) -> str:
     )
 
 
+def fidelity_line(row: dict[str, Any]) -> str:
+    """The credit against A^pi (train/trainer.py `_fidelity`): sign over clear decisions, correlation, noise."""
+    where = f"{row.get('fidelity_deals', 0)} probe deals" if row["fidelity_of"] == "probe" else "the batch"
+    doc = row.get("fidelity")
+    if doc is None:
+        return f"  fidelity @ step {row['step']}: no valid decision in {where}"
+    f = doc["scores"]["all"]
+
+    def num(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    return (f"  fidelity @ step {row['step']} ({where}, {f['decisions']} credits): sign {num(f['sign_clear'], '.3f')} "
+            f"(|A| >= 0.01)  correlation {num(f['correlation'], '.3f')}  bias {num(f['bias'], '+.4f')}  "
+            f"noise {num(f['noise'], '.3f')}  ({row['fidelity_seconds']:.0f} s)")
+
+
 def grid_line(row: dict[str, Any]) -> str:
     return (
         f"  grid @ step {row['step']}: accuracy {100 * row['grid_accuracy']:.1f}%  value {row['grid_value']:+.4f}  "

@@ -57,6 +57,16 @@ class LocalSource:
             info["continuation_scored"] = self.runner.continuation_scored
         return [r.group for d in deals for r in d.groups if r.group is not None], info
 
+    def probe(self, seeds: list[int]) -> list[ScoredDataGroup]:
+        """The groups the last step's credit gives at other deals: the same weights, the same
+        continuation snapshot, played by a runner of its own so the step's deal stream and
+        state stay as they were (a fidelity probe)."""
+        runner = DealRunner(self.runner.player, self.runner.config)
+        snapshot = self.runner.get_snapshot()
+        runner.set_snapshot(None if snapshot is None else {**snapshot, "age": 0})  # the step's, not a new one
+        deals = asyncio.run(runner.play_all(seeds))
+        return [r.group for d in deals for r in d.groups if r.group is not None]
+
     def get_state(self) -> Any:
         """Where the deal stream stands, so a resumed run plays the deals it would have played,
         and the rollout continuation's snapshot, which it continues with."""

@@ -18,6 +18,7 @@ states of the frozen trunk recorded while a batch is collected (`recording`).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import shlex
@@ -30,7 +31,9 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from blackjack_rl.config import Settings
+from blackjack_rl.jobs.fidelity import PROBE_BUDGET, PROBE_WIDTH, exact_fidelity, samples_of
 from blackjack_rl.contract.protocol import STICK, tool_call_text
+from blackjack_rl.contract.records import ScoredDataGroup
 from blackjack_rl.contract.tokens import HFTokenizer
 from blackjack_rl.model.base_ref import check_base
 from blackjack_rl.model.forward import causal_lm
@@ -39,9 +42,10 @@ from blackjack_rl.model.logprobs import token_logprobs
 from blackjack_rl.model.lora_stack import adapter_files, fold_adapter
 from blackjack_rl.policies.torch.policy import TorchPolicy
 from blackjack_rl.rollout.players import Player
+from blackjack_rl.rollout.runner import probe_seeds
 from blackjack_rl.train import checkpoints
 from blackjack_rl.train.grpo import LossConfig, optimize
-from blackjack_rl.train.log import TrainLog, eval_line, grid_line, step_line
+from blackjack_rl.train.log import TrainLog, eval_line, fidelity_line, grid_line, step_line
 from blackjack_rl.train.metrics import batch_metrics, evaluate_policy, grid_metrics
 from blackjack_rl.train.plot import plot_log
 from blackjack_rl.train.portable import portable_argv, portable_values
@@ -58,6 +62,7 @@ class TrainedPolicy(Protocol):
     max_tokens: int
     sampled_tokens: int  # totals so far, for the sampling rate
     sampling_seconds: float
+    scored_tokens: int  # tokens of the sequences scored so far: forward work
 
     @property
     def model(self) -> Any:
@@ -66,6 +71,10 @@ class TrainedPolicy(Protocol):
 
     def sample_with(self, model: Any, *, frozen_below: int = 0) -> None:
         """Sample with `model` from now on; the layers below `frozen_below` do not train."""
+        ...
+
+    def aside(self) -> AbstractContextManager[None]:
+        """Work after which training goes on exactly as without it (a fidelity probe)."""
         ...
 
     def recording(self) -> AbstractContextManager[dict[tuple[int, ...], torch.Tensor]]:
@@ -159,6 +168,7 @@ class Trainer:
         self.started = time.monotonic()
         self.measuring = 0.0  # seconds spent on charts and evaluations, which are not training
         self.best_gap: float | None = None
+        self.probe_seeds: list[int] | None = None  # --fidelity-every's fixed deals, found once
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -267,6 +277,12 @@ class Trainer:
         spent = policy.sampling_seconds - seconds0
         row["sampled_tokens"] = sampled
         row["sample_tokens_per_s"] = sampled / spent if spent > 0 else None
+        if t.fidelity_every and step % t.fidelity_every == 0:
+            f0 = time.monotonic()
+            row.update(self._fidelity(groups))
+            row["fidelity_seconds"] = time.monotonic() - f0
+            self.measuring += row["fidelity_seconds"]
+            self.progress(fidelity_line(row))
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = learning_rate(step, t.lr, t.warmup_steps)
         row["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -289,6 +305,28 @@ class Trainer:
             checkpoints.save(self.model, policy.tokenizer, self.out / "checkpoints" / f"step_{step:04d}", state,
                              t.base_adapter, self.base)
         return row
+
+    def _fidelity(self, groups: list[ScoredDataGroup]) -> dict[str, Any]:
+        """The step's credit against the exact advantage A^pi of the policy that played it, before
+        the step trains on it. Local: on fixed probe deals played as the step's were (the same
+        weights, credit and continuation); api: on the pulled batch, whose answers another policy
+        may have sampled, against the trainer's. The probe leaves training exactly as it was."""
+        policy, local = self.policy, isinstance(self.source, LocalSource)
+        row: dict[str, Any] = {"fidelity_of": "probe" if local else "batch", "fidelity_policy": "trainer"}
+        with policy.aside():
+            if local:
+                if self.probe_seeds is None:
+                    self.probe_seeds = probe_seeds(self.player, self.settings.groups, self.t.fidelity_probes)
+                c0, tokens0 = time.monotonic(), policy.sampled_tokens + policy.scored_tokens
+                groups = self.source.probe(self.probe_seeds)
+                row["fidelity_credit_seconds"] = time.monotonic() - c0
+                row["fidelity_credit_tokens"] = policy.sampled_tokens + policy.scored_tokens - tokens0
+                row["fidelity_deals"] = len(self.probe_seeds)
+            samples = samples_of(groups, self.player, self.loss_config.scale_advantages)
+            if not samples:
+                return {**row, "fidelity": None}
+            fidelity = asyncio.run(exact_fidelity(samples, self.player, budget=PROBE_BUDGET, target_width=PROBE_WIDTH))
+        return {**row, "fidelity": fidelity.to_dict()}
 
     def out_of_time(self, row: dict[str, Any]) -> bool:
         """Whether --max-minutes of training have passed by this step's row (the run then stops)."""

@@ -92,6 +92,7 @@ class TorchPolicy:
         self.max_batch = max_batch
         self.pad_id = int(tokenizer.tok.pad_token_id or 0)
         self.sampled_tokens = 0  # totals, for tokens per second
+        self.scored_tokens = 0  # tokens of the sequences scored (prompt and answer): forward work
         self.sampling_seconds = 0.0
         # The first trained layer, when only the layers from there up train (`sample_with`):
         # scoring then caches the frozen trunk's output per scored sequence (`_trunk_states`).
@@ -135,6 +136,17 @@ class TorchPolicy:
             yield states
         finally:
             self._recorded = None
+
+    @contextmanager
+    def aside(self) -> Iterator[None]:
+        """Work that must leave training as it was (a fidelity probe): the frozen trunk's cache
+        is put back afterwards, since states computed in another batch can differ in their last
+        bits, and a step would then train on other numbers than without the probe."""
+        saved = dict(self._trunk_cache)
+        try:
+            yield
+        finally:
+            self._trunk_cache = saved
 
     def generation_params(self) -> dict[str, Any]:
         return {
@@ -220,6 +232,7 @@ class TorchPolicy:
                     positions.append(len(prompt) + j)
                     ids.append(t)
         targets = Targets(torch.tensor(rows), torch.tensor(positions), torch.tensor(ids), None)
+        self.scored_tokens += sum(len(seq) for seq in tokens)
         t = temperature if temperature > 0 else 1.0
         with torch.no_grad():
             if self._frozen_below:
