@@ -13,7 +13,7 @@ import pytest
 
 from api_payloads import ATROPOS_REGISTRATION
 from blackjack_rl.api.client import TrainerClient
-from helpers import ServerProcess, free_port, kill_process, poll_until, popen_cli, stop_process
+from helpers import ServerProcess, free_port, kill_process, poll_until, popen_cli, run_cli, stop_process
 
 
 def start_serve(api_url: str, out: Path, *extra: str) -> subprocess.Popen:
@@ -302,3 +302,47 @@ def test_a_trainer_gets_exactly_the_rollout_credit_the_worker_computed(tmp_path)
         assert nonzero  # some decision's two calls were valued apart
     finally:
         api.kill()
+
+
+def test_serve_scores_its_credit_against_its_own_policy(tmp_path, solution, vocab_chat):
+    """`serve --fidelity-every N` logs the credit of each N groups it sent against A^pi of the
+    worker's policy (here the random bot's, exact): the same scores as the groups the trainer
+    pulled give against that policy in-process."""
+    import asyncio
+
+    from blackjack_rl.jobs.fidelity import PROBE_BUDGET, PROBE_WIDTH, exact_fidelity, samples_of
+    from blackjack_rl.policies.bots import RandomBot
+    from blackjack_rl.rollout.players import Player
+    from blackjack_rl.train.groups import read_group
+
+    api = ServerProcess(tmp_path / "api.sqlite").start()
+    try:
+        trainer = TrainerClient(api.url)
+        trainer.register({**ATROPOS_REGISTRATION, "batch_size": 4})
+        serve = start_serve(api.url, tmp_path / "w", "--scoring", "outcome", "--max-groups", "6",
+                            "--fidelity-every", "6")
+        seen = Pulled()
+        pull(trainer, 6, seen)
+        out, _ = serve.communicate(timeout=300)
+        assert serve.returncode == 0, out
+    finally:
+        api.kill()
+    rows = [r for r in metrics_rows(tmp_path / "w") if r["kind"] == "fidelity"]
+    assert len(rows) == 1 and rows[0]["policy"] == "worker" and rows[0]["groups"] == 6
+    logged = rows[0]["scores"]["all"]
+    player = Player(RandomBot(), vocab_chat, solution)
+    groups = [read_group(g) for g in seen]
+    here = asyncio.run(exact_fidelity(samples_of(groups, player, True), player, budget=PROBE_BUDGET,
+                                      target_width=PROBE_WIDTH)).scores["all"]
+    assert logged["decisions"] == here.decisions > 6
+    for name in ("sign_weighted", "sign_clear", "correlation", "bias"):
+        assert logged[name] == pytest.approx(getattr(here, name), abs=1e-12), name
+
+
+def test_serve_refuses_fidelity_for_a_policy_without_probabilities(tmp_path, gguf_path):
+    proc = run_cli("serve", "--policy", "openai", "--base-url", "http://127.0.0.1:9/v1", "--model", "m",
+                   "--tokenizer", str(gguf_path),
+                   "--fidelity-every", "4", "--out", str(tmp_path / "w"), "--api-url", "http://127.0.0.1:9",
+                   cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "--fidelity-every needs the policy's probabilities" in proc.stderr.strip().splitlines()[-1]

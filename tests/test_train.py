@@ -30,7 +30,7 @@ from blackjack_rl.train.groups import read_group  # noqa: E402
 from blackjack_rl.train.trainer import make_trainable  # noqa: E402
 from blackjack_rl.policies.torch.policy import TorchPolicy  # noqa: E402
 from blackjack_rl.policies.sampling import Sampling  # noqa: E402
-from helpers import ServerProcess, deal_groups, run_cli  # noqa: E402
+from helpers import ServerProcess, deal_groups, poll_until, popen_cli, run_cli  # noqa: E402
 
 
 @pytest.fixture()
@@ -299,6 +299,38 @@ def test_trains_on_batches_pulled_from_the_trajectory_api(tiny_policy, solution,
     params = list(model.parameters())
     stats = optimize(model, torch.optim.AdamW(params, lr=1e-3), params, pulled, LossConfig(), Settings(), None)
     assert stats["trained_groups"] >= 1 and stats["logprob_gap"] < 1e-3  # same weights sampled them
+
+
+@pytest.mark.slow  # torch training
+def test_a_trainer_on_the_api_scores_the_pulled_credit_against_its_own_policy(tiny_policy, tiny_model_dir,
+                                                                               solution, tmp_path):
+    """`train --source api --fidelity-every 1`: the batch another policy played (a random bot) is
+    scored against A^pi of the trainer's policy, labelled so, beside the step it trains."""
+    import httpx
+
+    from blackjack_rl.policies.bots import RandomBot
+
+    player = Player(RandomBot(), tiny_policy.chat, solution, EpisodeSettings(scoring="expected"))
+    groups = [r.group.to_json() for seed in (1, 2) for r in deal_groups(player, seed, GroupConfig(group_size=4))]
+    groups[0]["scores"] = [1.0, -1.0, 0.5, -0.5]
+    api = ServerProcess(tmp_path / "api.sqlite").start()
+    try:
+        train = popen_cli("train", "--source", "api", "--api-url", api.url, "--batch-size", "8", "--steps", "1",
+                          "--model-path", str(tiny_model_dir), "--max-tokens", "10", "--eval-episodes", "0",
+                          "--grid-every", "0", "--fidelity-every", "1", "--threads", "1", "--batch-timeout", "300",
+                          "--out", str(tmp_path / "run"))
+        poll_until(lambda: httpx.get(f"{api.url}/info", timeout=10).json()["batch_size"] == 8, attempts=3000,
+                   what="the trainer registering")  # then the groups go in
+        response = httpx.post(f"{api.url}/scored_data_list", json=groups, timeout=10)
+        assert response.status_code == 200, response.text
+        out, _ = train.communicate(timeout=600)
+        assert train.returncode == 0, out
+    finally:
+        api.stop()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    step = [r for r in rows if r["kind"] == "step"][0]
+    assert step["fidelity_of"] == "batch" and step["fidelity_policy"] == "trainer"
+    assert step["fidelity"]["scores"]["all"]["decisions"] >= 8  # every episode's decisions, placed
 
 
 @pytest.mark.slow  # torch training

@@ -331,6 +331,10 @@ class ServeConfig(_Section):
     min_batch_allocation: float | None = Field(None, ge=0.0, le=1.0, description="minimum share of each batch (0-1)")
     max_batches_offpolicy: int = Field(3, ge=1, description="batches of groups kept queued or in flight ahead of the trainer")
     steps_per_eval: int = Field(100, ge=0, description="evaluate every N trainer steps (0: never)")
+    fidelity_every: int = Field(0, ge=0, le=10_000, description="score the credit of each N groups sent against the "
+                                                              "exact A^pi of this worker's policy, which played them "
+                                                              "(0: never); the trainer's policy is another: `train "
+                                                              "--source api --fidelity-every` scores against it")
     eval_episodes: int = Field(200, ge=1, description="episodes per evaluation")
     max_groups: int | None = Field(None, ge=1, description="stop after sending this many groups (default: run until "
                                                            "SIGTERM)")

@@ -34,11 +34,13 @@ from blackjack_rl.api.client import ApiUnavailable, EnvClient
 from blackjack_rl.api.models import RegisterEnv
 from blackjack_rl.retry import RetryPolicy
 from blackjack_rl.config import Settings
+from blackjack_rl.jobs.fidelity import PROBE_BUDGET, PROBE_WIDTH, exact_fidelity, samples_of
 from blackjack_rl.measure.evaluation import compute_metrics
+from blackjack_rl.measure.probe import can_probe
 from blackjack_rl.rollout.core import GroupResult
 from blackjack_rl.rollout.players import Player
 from blackjack_rl.rollout.runner import DealResult, DealRunner, Tally
-from blackjack_rl.contract.records import EpisodeRecord, Outcome
+from blackjack_rl.contract.records import EpisodeRecord, Outcome, ScoredDataGroup
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +167,11 @@ class Worker:
         self.runner.tally = self.stats  # the runner counts what it plays into this worker's stats
         self._last_eval_step: int | None = None
         self._eval_task: asyncio.Task[None] | None = None
+        if self.cfg.fidelity_every and not can_probe(player.policy):
+            raise ValueError(f"--fidelity-every needs the policy's probabilities of the two calls; "
+                             f"{player.policy.name} cannot give them (use the embedded model or a bot)")
+        self._scored: list[ScoredDataGroup] = []  # sent since the last fidelity reading (--fidelity-every)
+        self._fidelity_task: asyncio.Task[None] | None = None
 
     def stop(self) -> None:
         self.stopping.set()
@@ -249,6 +256,34 @@ class Worker:
         )
         for r in sent.rejected:
             log.error("the API refused a group (HTTP %s): %s", r.status, r.detail)
+        if self.cfg.fidelity_every and sent.sent_groups:
+            self._scored.append(result.group)
+            self._maybe_fidelity()
+
+    def _maybe_fidelity(self) -> None:
+        """Every `fidelity_every` groups sent: their credit against A^pi of this worker's policy.
+
+        The worker plays a fixed model, so its credit is that policy's advantage, not the
+        trainer's; the trainer scores the same groups against its own (`train --fidelity-every`).
+        One reading at a time: groups sent meanwhile wait for the next."""
+        if len(self._scored) < self.cfg.fidelity_every or (self._fidelity_task and not self._fidelity_task.done()):
+            return
+        groups, self._scored = self._scored[: self.cfg.fidelity_every], self._scored[self.cfg.fidelity_every :]
+        sent = self.stats.groups_sent
+
+        async def score() -> None:
+            t0 = time.monotonic()
+            samples = samples_of(groups, self.player, scale=True)
+            if not samples:
+                return
+            fidelity = await exact_fidelity(samples, self.player, budget=PROBE_BUDGET, target_width=PROBE_WIDTH)
+            self.metrics.write("fidelity", policy="worker", groups=len(groups), sent=sent,
+                               seconds=time.monotonic() - t0, **fidelity.to_dict())
+            f = fidelity.scores["all"]
+            log.info("fidelity of %d groups against this worker's policy: sign %s (|A| >= 0.01), correlation %s",
+                     len(groups), f.sign_clear, f.correlation)
+
+        self._fidelity_task = asyncio.create_task(score())
 
     def _maybe_evaluate(self, step: int) -> None:
         every = self.cfg.steps_per_eval
@@ -330,6 +365,13 @@ class Worker:
             self._tasks.clear()
         if self._eval_task is not None and not self._eval_task.done():
             self._eval_task.cancel()
+        if self._fidelity_task is not None:
+            try:  # a reading under way is of groups already sent: let it be written
+                await asyncio.wait_for(self._fidelity_task, timeout=max(5.0, self.cfg.drain_timeout))
+            except asyncio.TimeoutError:
+                log.warning("a fidelity reading did not finish within the drain timeout")
+            except Exception as exc:  # a measurement: serving went on without it
+                log.warning("a fidelity reading failed: %s: %s", type(exc).__name__, exc)
         if self.client.outbox is not None and self.client.outbox.pending_posts():
             # Patient, like the drain: an API that is restarting should still get these now;
             # whatever it cannot take stays parked on disk for the next start.
