@@ -196,7 +196,8 @@ NEEDS = {"--starts": ["--credit", "step"], "--decisions": ["--credit", "step"], 
          "--format-weight": ["--credit", "step-tokens"], "--rollouts": ["--credit", "step-rollouts"],
          "--rollout-continuation": ["--credit", "step-rollouts"],
          "--rollout-refresh": ["--credit", "step-rollouts", "--rollout-continuation", "chart"],
-         "--forced-weight": ["--credit", "step-counterfactual"]}
+         "--forced-weight": ["--credit", "step-counterfactual"],
+         "--balance-by": ["--credit", "step-counterfactual", "--balance-actions"]}
 # The positional arguments a command needs besides its flags.
 POSITIONAL = {"compare": ["runs/a", "runs/b"], "fidelity": ["groups.jsonl"]}
 

@@ -422,3 +422,66 @@ def test_fidelity_probes_need_fidelity_every(tmp_path):
     proc = run_cli("train", "--fidelity-probes", "4", "--out", str(tmp_path / "x"), cwd=tmp_path)
     assert proc.returncode != 0 and "add --fidelity-every" in proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("weigh_forced", [True, False])
+def test_the_decision_pull_is_the_credits_gradient_on_the_logit_difference(weigh_forced):
+    """decision_pull = d/dz of sum_a adv_a log p(a | z), p(hit) = sigmoid(z), with the forced
+    calls' advantages held fixed: checked by a finite difference at assorted policies and gaps."""
+    from blackjack_rl.rollout.credit import AnswerCredit, decision_advantages, decision_pull
+
+    rng = random.Random(7)
+    for _ in range(50):
+        p_hit = rng.uniform(0.001, 0.999)
+        q = (rng.uniform(-1, 1), rng.uniform(-1, 1))
+        p_call = {HIT: p_hit, STICK: 1 - p_hit}
+        scale, se = rng.random() < 0.5, rng.uniform(0, 0.1)
+        hit, stick = decision_advantages([AnswerCredit(True, HIT, True), AnswerCredit(True, STICK, True)], q, p_call,
+                                         scale, se, weigh_forced)
+        z, h = math.log(p_hit / (1 - p_hit)), 1e-6
+
+        def surrogate(z: float) -> float:
+            p = 1 / (1 + math.exp(-z))
+            return hit * math.log(p) + stick * math.log(1 - p)
+
+        numeric = (surrogate(z + h) - surrogate(z - h)) / (2 * h)
+        assert decision_pull(q, p_call, scale, se, weigh_forced) == pytest.approx(numeric, rel=1e-4, abs=1e-8)
+
+
+def test_balancing_by_credit_leaves_no_net_pull_where_counting_does():
+    """A batch whose stick-better decisions have clear gaps and whose hit-better ones are near
+    ties: equal numbers still pull the shared preference toward sticking; equal pulls do not."""
+    from blackjack_rl.config import Settings
+    from blackjack_rl.contract.records import ScoredDataGroup, StepRecord
+    from blackjack_rl.train.grpo import action_balance, credit_pull
+
+    settings = Settings(groups=GroupConfig(credit="step-rollouts", group_size=0, starts="uniform",
+                                           balance_actions=True, balance_by="credit"))
+
+    def group(q_hit: float, q_stick: float, p_hit: float) -> ScoredDataGroup:
+        record = StepRecord(seed=1, decision=0, index=0, state=[12, 2, 0], natural=False, action="hit",
+                            optimal="hit", q={"stick": 0.0, "hit": 0.0}, invalid_reason=None, score=0.0, forced=True,
+                            q_estimate={"hit": q_hit, "stick": q_stick, "se_gap": 0.01},
+                            p_call={"hit": p_hit, "stick": 1 - p_hit})
+        return ScoredDataGroup(tokens=[[1]], masks=[[1]], inference_logprobs=[[0.0]], scores=[0.0], messages=[],
+                               generation_params={"group_by": "step"}, episodes=[record])
+
+    batch = [group(0.05, 0.0, 0.3), group(0.02, 0.0, 0.6), group(-0.8, 0.1, 0.2), group(-0.5, 0.0, 0.4)]
+    pulls = [credit_pull(g, settings) for g in batch]
+    assert [p > 0 for p in pulls] == [True, True, False, False]
+    counted = action_balance(batch)
+    assert sum(w * p for w, p in zip(counted, pulls)) < -0.01
+    balanced = action_balance(batch, pull=lambda g: credit_pull(g, settings))
+    assert sum(w * p for w, p in zip(balanced, pulls)) == pytest.approx(0.0, abs=1e-12)
+    # the batch's summed |pull| is kept: only the split between the classes moves
+    assert sum(w * abs(p) for w, p in zip(balanced, pulls)) == pytest.approx(sum(map(abs, pulls)))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--credit", "step-rollouts", "--group-size", "0", "--starts", "uniform", "--balance-by", "credit"],
+     "add --balance-actions"),
+    (["--credit", "step-tokens", "--balance-actions", "--balance-by", "credit"], "only counterfactual groups hold"),
+])
+def test_balancing_by_credit_is_refused_where_it_cannot_act(flags, message, tmp_path):
+    proc = run_cli("train", *flags, "--out", str(tmp_path / "x"), cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr.strip().splitlines()[-1]

@@ -45,7 +45,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
 }
 # balancing decisions weighs the trainer's batches, and a continuation snapshot lasts training steps:
 # process and serve have neither
-_TRAIN_ONLY = ("groups.balance_actions", "groups.balance_later", "groups.rollout_refresh")
+_TRAIN_ONLY = ("groups.balance_actions", "groups.balance_by", "groups.balance_later", "groups.rollout_refresh")
 WITHOUT: dict[str, tuple[str, ...]] = {"process": _TRAIN_ONLY, "serve": _TRAIN_ONLY}
 
 

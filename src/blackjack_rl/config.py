@@ -234,6 +234,10 @@ class GroupConfig(_Section):
     balance_actions: bool = Field(False, description="train, step modes: weigh each batch's decisions so that "
                                                      "hit-optimal and stick-optimal states count equally "
                                                      "(step-rollouts: by the action its estimate values higher)")
+    balance_by: Literal["count", "credit"] = Field(
+        "count", description="train, with --balance-actions: what the two classes weigh equally: their number of "
+                             "decisions, or (counterfactual modes) their credit's summed pull on the hit/stick "
+                             "logit difference, so that the batch's net pull on one shared preference is zero")
     balance_later: bool = Field(False, description="train, with --balance-actions: balance first decisions and "
                                                    "decisions after a hit apart, so that a history (\"I hit "
                                                    "before\") earns nothing as a reason for one action")
@@ -271,6 +275,13 @@ class GroupConfig(_Section):
                     flag = f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
                     raise ValueError(f"{flag} chooses or weighs states by the solver's optimal action, which "
                                      "--credit step-rollouts never reads (reward only)")
+        if self.balance_by != "count":
+            if not self.balance_actions:
+                raise ValueError("--balance-by says how --balance-actions weighs the classes: add --balance-actions")
+            if not self.counterfactual:
+                raise ValueError("--balance-by credit weighs each decision by its credit's pull on the two calls, "
+                                 "which only counterfactual groups hold: use --credit step-counterfactual or "
+                                 f"step-rollouts (not {mode})")
         if self.balance_later and not self.balance_actions:
             raise ValueError("--balance-later balances hit and stick among later decisions: it needs "
                              "--balance-actions")

@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from blackjack_rl.contract.protocol import HIT, STICK
 from blackjack_rl.contract.tokens import MASKED, Trajectory, trained_spans
 
 
@@ -173,6 +174,16 @@ def decision_advantages(answers: Sequence[AnswerCredit], q: Sequence[float],
         else:
             out.append(0.0 if counterfactual else q[a.action] - baseline)
     return out
+
+
+def decision_pull(q: Sequence[float], p_call: dict[int, float], scale: bool = False, se_gap: float = 0.0,
+                  weigh_forced: bool = True) -> float:
+    """How hard a counterfactual group's decision credit pulls the logit difference z_hit - z_stick:
+    each forced call's credit times d log p(call) / dz (p_stick for the hit call, -p_hit for the
+    stick call), summed. Its sign is the better action's; `action_balance` weighs classes by it."""
+    hit, stick = decision_advantages([AnswerCredit(True, HIT, True), AnswerCredit(True, STICK, True)], q, p_call,
+                                     scale, se_gap, weigh_forced)
+    return hit * p_call[STICK] - stick * p_call[HIT]
 
 
 def answer_token_advantages(n_tokens: int, action_tokens: Sequence[int], format_adv: float,

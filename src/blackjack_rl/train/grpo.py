@@ -18,10 +18,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from blackjack_rl.config import Settings
+from blackjack_rl.contract.protocol import HIT, STICK
 from blackjack_rl.contract.records import ScoredDataGroup, StepRecord
 from blackjack_rl.contract.tokens import MASKED
 from blackjack_rl.model.logprobs import Targets, token_logprobs
-from blackjack_rl.rollout.credit import group_advantages
+from blackjack_rl.rollout.credit import decision_pull, group_advantages
 from blackjack_rl.train.groups import decision_of
 
 
@@ -190,11 +191,13 @@ def carries_signal(group: ScoredDataGroup, advantages: list[float] | None) -> bo
     return any(v != 0.0 for row, m in zip(group.advantages, group.masks) for v, k in zip(row, m) if k != MASKED)
 
 
-def action_balance(groups: Sequence[ScoredDataGroup], by_turn: bool = False) -> list[float]:
+def action_balance(groups: Sequence[ScoredDataGroup], by_turn: bool = False,
+                   pull: Callable[[ScoredDataGroup], float] | None = None) -> list[float]:
     """A weight per group so that the batch's decisions where hitting is optimal and those where
     sticking is optimal weigh the same in total (1.0 for groups that are not decisions).
     `by_turn` balances first decisions and later ones (after a hit) apart, each set keeping
-    its own total weight.
+    its own total weight. With `pull` (`--balance-by credit`) the classes weigh the same in
+    summed |pull|, each decision's credit on the hit/stick logit difference, instead of in number.
 
     Why: a policy that cannot yet tell hands apart can still raise the batch's decision credit
     by moving one shared hit/stick preference toward the more common class, and that is what
@@ -202,20 +205,35 @@ def action_balance(groups: Sequence[ScoredDataGroup], by_turn: bool = False) -> 
     of the states hit-optimal it went to always hitting in 5 steps; with the two classes weighed
     equally, a shared preference earns nothing and the gap between the classes grew instead.
     Later decisions are mostly stick-optimal, so without `by_turn` "I have hit before" is such
-    a preference, and the model learned it instead of reading the hand.
+    a preference, and the model learned it instead of reading the hand. Equal numbers still
+    leave a net pull where one class's credits are larger (clearer gaps, or a less sure
+    policy there); equal pulls leave none.
     """
     decisions = [decision_of(g) for g in groups]
     keys = [None if d is None else ((d.decision > 0) if by_turn else False, better_action(d)) for d in decisions]
+    mass = [0.0 if k is None else abs(pull(g)) if pull is not None else 1.0 for g, k in zip(groups, keys)]
     weights = [1.0] * len(groups)
     for later in {k[0] for k in keys if k is not None}:
-        counts = {a: keys.count((later, a)) for a in ("hit", "stick")}
-        if not counts["hit"] or not counts["stick"]:
-            continue  # one class only: nothing to balance against
-        total = counts["hit"] + counts["stick"]
+        totals = {a: sum(m for k, m in zip(keys, mass) if k == (later, a)) for a in ("hit", "stick")}
+        if not totals["hit"] or not totals["stick"]:
+            continue  # one class only (or no pull in one): nothing to balance against
+        total = totals["hit"] + totals["stick"]
         for i, k in enumerate(keys):
             if k is not None and k[0] == later:
-                weights[i] = total / (2 * counts[k[1]])
+                weights[i] = total / (2 * totals[k[1]])
     return weights
+
+
+def credit_pull(group: ScoredDataGroup, settings: Settings) -> float:
+    """The pull of a counterfactual group's decision credit on z_hit - z_stick, as its credit was
+    computed (the estimates or Q*, the policy's p_call, the scaling and forced weight it records)."""
+    d = decision_of(group)
+    if d is None or d.p_call is None:
+        return 0.0
+    q = d.q_estimate if d.q_estimate is not None else d.q
+    forced = group.generation_params.get("forced_weight", "policy") == "policy"
+    return decision_pull((q["stick"], q["hit"]), {HIT: d.p_call["hit"], STICK: d.p_call["stick"]},
+                         settings.groups.scale_decisions, (d.q_estimate or {}).get("se_gap", 0.0), forced)
 
 
 def better_action(decision: StepRecord) -> str:
@@ -258,7 +276,8 @@ def optimize(
     """
     work = []
     balance = settings.groups
-    weights = action_balance(groups, balance.balance_later) if balance.balance_actions else [1.0] * len(groups)
+    pull = (lambda g: credit_pull(g, settings)) if balance.balance_by == "credit" else None
+    weights = action_balance(groups, balance.balance_later, pull) if balance.balance_actions else [1.0] * len(groups)
     for g, w in zip(groups, weights):
         adv = scalar_advantages(g, loss_config.scale_advantages)
         if carries_signal(g, adv):
