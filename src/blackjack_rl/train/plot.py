@@ -48,6 +48,30 @@ def _grid_panels(axes: Any, grid: list[dict[str, Any]], steps: list[dict[str, An
     right.grid(alpha=0.3)
 
 
+def _fidelity_panels(axes: Any, rows: list[dict[str, Any]]) -> None:
+    """The step's credit against the exact A^pi (--fidelity-every): does it point the right way,
+    and how much of it is noise."""
+    xs = [r["step"] for r in rows]
+    scores = [r["fidelity"]["scores"]["all"] for r in rows]
+
+    def series(key: str) -> list[float]:
+        return [float("nan") if s[key] is None else s[key] for s in scores]
+
+    left, right = axes
+    left.plot(xs, series("sign_clear"), "o-", color="tab:green", label="sign agrees (|A| >= 0.01)")
+    left.plot(xs, series("sign_weighted"), "o--", color="tab:olive", label="sign agrees, |A|-weighted")
+    left.plot(xs, series("correlation"), "s-", color="tab:purple", label="correlation")
+    left.set_ylim(-0.05, 1.05)
+    left.set_title(f"credit against the exact A^pi ({rows[0]['fidelity_of']})", fontsize=10)
+    right.plot(xs, series("noise"), "o-", color="tab:red", label="noise (two draws)")
+    right.plot(xs, series("bias"), "s-", color="tab:blue", label="bias")
+    right.axhline(0.0, color="gray", linewidth=1)
+    right.set_title("credit noise and bias", fontsize=10)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+
 def _rolling(values: list[float | None], window: int) -> list[float | None]:
     out = []
     for i in range(len(values)):
@@ -64,7 +88,9 @@ def plot_log(log_path: Path, png_path: Path, title: str = "") -> Path:
 
     steps, evals = read_log(log_path)
     grid = [r for r in _rows(log_path) if r.get("grid_accuracy") is not None]
-    fig, axes = plt.subplots(3 if grid else 2, 2, figsize=(11, 11 if grid else 7.5), sharex=True)
+    fidelity = [r for r in steps if r.get("fidelity")]
+    n_rows = 2 + bool(grid) + bool(fidelity)
+    fig, axes = plt.subplots(n_rows, 2, figsize=(11, 3.7 * n_rows), sharex=True)
     panels = [
         ("mean_score", None, "mean training score"),
         ("valid_call_rate", "valid_decisions", "valid tool calls (share of answers)"),
@@ -107,6 +133,8 @@ def plot_log(log_path: Path, png_path: Path, title: str = "") -> Path:
             ax.legend(fontsize=8)
     if grid:
         _grid_panels(axes[2], grid, steps)
+    if fidelity:
+        _fidelity_panels(axes[-1], fidelity)
     for ax in axes[-1]:
         ax.set_xlabel("optimizer step")
     if title:
