@@ -192,7 +192,7 @@ def test_a_probe_scores_the_rollouts_credit_against_the_policys_own_advantage(so
     of a policy that plays alike at every prompt agree with its exact advantage in sign and size,
     every pair of deals gives a noise pair per action, and the step's deal stream is untouched."""
     from blackjack_rl.config import GroupConfig
-    from blackjack_rl.jobs.fidelity import PROBE_BUDGET, PROBE_WIDTH, exact_fidelity, samples_of
+    from blackjack_rl.jobs.fidelity import exact_fidelity, samples_of
     from blackjack_rl.rollout.runner import probe_seeds
     from blackjack_rl.train.sources import LocalSource
 
@@ -202,8 +202,8 @@ def test_a_probe_scores_the_rollouts_credit_against_the_policys_own_advantage(so
     source = LocalSource(player, config, deals_per_step=4, seed=0)
     stream = source.seeds.get_state()
     groups = source.probe(probe_seeds(player, config, 12))
-    fidelity = asyncio.run(exact_fidelity(samples_of(groups, player, True), player, budget=PROBE_BUDGET,
-                                          target_width=PROBE_WIDTH))
+    fidelity = asyncio.run(exact_fidelity(samples_of(groups, player, True), player, budget=200,
+                                          target_width=0.01))
     scores = fidelity.scores["all"]
     assert scores.decisions == 48 and scores.noise_pairs == 24
     assert scores.sign_clear >= 0.85 and scores.correlation >= 0.95
@@ -211,7 +211,7 @@ def test_a_probe_scores_the_rollouts_credit_against_the_policys_own_advantage(so
     # the value over the two calls alone, so it is lower by 0.1 (V_calls + 1): a bias the scores show
     truths = asyncio.run(exact_truths(solution, node_policy(player), [s.history for s in samples_of(groups, player, True)],
                                       invalid_score=-1.0, max_turns=player.settings.max_turns,
-                                      budget=PROBE_BUDGET, target_width=PROBE_WIDTH))
+                                      budget=200, target_width=0.01))
     expected = [-0.1 * ((0.5 * t.q_hit + 0.4 * t.q_stick) / 0.9 + 1.0) for t in truths.values()]
     assert scores.bias == pytest.approx(sum(expected) / len(expected), abs=0.02)
     assert scores.bias < -0.03

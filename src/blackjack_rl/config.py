@@ -409,7 +409,7 @@ class TrainConfig(_Section):
                                                      "policy that played it, every N steps (0: never; not counted as "
                                                      "training time): local, on fixed probe deals; api, on the "
                                                      "pulled batch, against the trainer's policy")
-    fidelity_probes: int = Field(16, ge=1, le=1_000, description="local: pairs of fixed probe deals for "
+    fidelity_probes: int = Field(8, ge=1, le=1_000, description="local: pairs of fixed probe deals for "
                                                                  "--fidelity-every, each pair opening on one state "
                                                                  "(two independent draws of its credit)")
     game_budget: int = Field(400, ge=0, le=100_000, description="histories of the whole game each chart reads, its "

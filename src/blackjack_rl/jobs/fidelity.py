@@ -22,9 +22,10 @@ from blackjack_rl.rollout.players import Player
 
 MAX_LINE_BYTES = 64 * 2**20  # one group a line; a longer line is not a group we wrote
 FIDELITY_BUDGET = 1_000  # histories below each probed one that Q^pi(h, hit)'s tree may read
-# A trainer's periodic probe reads the model at every history it scores, between steps: a smaller
-# tree, its certified width logged beside the scores
-PROBE_BUDGET, PROBE_WIDTH = 200, 0.01
+# A trainer's periodic probe reads the model at every history of each tree, and in torch a new
+# history costs ~0.2 s on 2 cores (docs/training/README.md): a small tree, its certified width
+# logged beside the scores
+PROBE_BUDGET, PROBE_WIDTH = 16, 0.02
 
 
 @dataclass
