@@ -218,3 +218,23 @@ def deal_groups(player, seed: int, config):
     from blackjack_rl.rollout.runner import DealRunner
 
     return asyncio.run(DealRunner(player, config).deal(seed)).groups
+
+
+class ScoringStub:
+    """A policy that only scores given answers (`answer_logprobs_many`, which a subclass
+    defines): what rollout credit and the exact tree ask of a model, without one."""
+
+    name = "scoring-stub"
+    temperature = 1.0
+
+    async def answer_logprobs(self, prompt_ids, answers, temperature=None):
+        return (await self.answer_logprobs_many([(prompt_ids, answers)]))[0]
+
+    def generation_params(self):
+        return {}
+
+    async def respond(self, turn):
+        raise NotImplementedError("a scoring stub does not sample")
+
+    async def aclose(self):
+        pass

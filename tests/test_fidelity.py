@@ -17,7 +17,7 @@ from blackjack_rl.measure.fidelity import exact_truths, fidelity_scores
 from blackjack_rl.measure.probe import node_policy
 from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.bots import OptimalBot, ThresholdBot
-from helpers import run_cli
+from helpers import ScoringStub, run_cli
 
 
 def _truths(n: int, seed: int = 0) -> list[float]:
@@ -137,33 +137,20 @@ def test_step_groups_after_a_hit_are_placed_by_the_history_they_carry(tmp_path):
     assert 0.5 < scores["all"]["sign_weighted"] < 1.0
 
 
-class _SameEverywhere:
+class _SameEverywhere(ScoringStub):
     """A policy that writes each call with the same probability at every prompt: the chart
     continuation's Markov projection of it is the policy itself, so rollouts estimate its A^pi.
     The call's probability sits on its action token, however the call is split into answers."""
 
     name = "same-everywhere"
-    temperature = 1.0
 
     def __init__(self, chat, p_hit: float = 0.5, p_stick: float = 0.4) -> None:
         calls = [chat.answer_ids(tool_call_text(a)) for a in (HIT, STICK)]
         at = common_prefix_length(calls)
         self.logp = {calls[0][at]: math.log(p_hit), calls[1][at]: math.log(p_stick)}
 
-    async def answer_logprobs(self, prompt_ids, answers, temperature=None):
-        return (await self.answer_logprobs_many([(prompt_ids, answers)]))[0]
-
     async def answer_logprobs_many(self, items, temperature=None, same_kernels=True):
         return [[[self.logp.get(t, 0.0) for t in a] for a in answers] for _, answers in items]
-
-    def generation_params(self):
-        return {}
-
-    async def respond(self, turn):
-        raise NotImplementedError
-
-    async def aclose(self):
-        pass
 
 
 def test_probe_deals_come_in_pairs_that_open_on_one_state(solution, vocab_chat):

@@ -18,7 +18,7 @@ from blackjack_rl.game.table import HIT, STICK, Observation, Table
 from blackjack_rl.rollout.estimates import CallMemo, estimate_q
 from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.bots import OptimalBot, ThresholdBot
-from helpers import cli_env, run_cli
+from helpers import ScoringStub, cli_env, run_cli
 
 
 def test_a_resumed_hit_and_stick_see_the_same_cards_in_the_same_roles():
@@ -171,31 +171,18 @@ def test_no_solver_output_reaches_reward_only_training(tiny_model_dir, tmp_path)
     assert runs["real"][1] == runs["random"][1]
 
 
-class _Recorder:
+class _Recorder(ScoringStub):
     """A policy that scores every call alike and records the prompts it was asked at."""
 
     name = "recorder"
-    temperature = 1.0
 
     def __init__(self, p_call: float = 0.4) -> None:
         self.prompts: list[tuple[int, ...]] = []
         self.p_call = p_call
 
-    async def answer_logprobs(self, prompt_ids, answers, temperature=None):
-        return (await self.answer_logprobs_many([(prompt_ids, answers)]))[0]
-
     async def answer_logprobs_many(self, items, temperature=None, same_kernels=True):
         self.prompts += [tuple(p) for p, _ in items]
         return [[[math.log(self.p_call)] + [0.0] * (len(a) - 1) for a in answers] for _, answers in items]
-
-    def generation_params(self):
-        return {}
-
-    async def respond(self, turn):
-        raise NotImplementedError
-
-    async def aclose(self):
-        pass
 
 
 @pytest.mark.parametrize("continuation", ["history", "chart"])
