@@ -390,6 +390,9 @@ class TrainConfig(_Section):
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2: how long it remembers gradient sizes "
                                                              "(0.9: ~10 steps; lower it when one credit fades and "
                                                              "a smaller one must take over)")
+    adam_eps: float = Field(1e-8, gt=0, le=1.0, description="AdamW epsilon: near a coordinate's typical gradient "
+                                                           "size, steps on smaller gradients shrink with them "
+                                                           "instead of being scaled up to the learning rate")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping: largest gradient norm")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip of the importance ratio")
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the initial model (0: no reference model)")

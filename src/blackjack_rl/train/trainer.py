@@ -190,7 +190,7 @@ class Trainer:
                       f"({'LoRA' if t.lora else 'full'}" + (f", top {t.train_layers} layers" if t.train_layers else "")
                       + ")")
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay,
-                                           betas=(0.9, t.adam_beta2))
+                                           betas=(0.9, t.adam_beta2), eps=t.adam_eps)
         self.reference = make_reference(self.model, self.settings)
         self.loss_config = LossConfig(t.clip_eps, t.kl_coef, self.settings.policy.temperature, t.scale_advantages)
         self.source = self._source()
