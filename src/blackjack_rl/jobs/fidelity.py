@@ -22,9 +22,8 @@ from blackjack_rl.rollout.players import Player
 
 MAX_LINE_BYTES = 64 * 2**20  # one group a line; a longer line is not a group we wrote
 FIDELITY_BUDGET = 1_000  # histories below each probed one that Q^pi(h, hit)'s tree may read
-# A trainer's periodic probe reads the model at every history of each tree, and in torch a new
-# history costs ~0.2 s on 2 cores (docs/training/README.md): a small tree, its certified width
-# logged beside the scores
+# A trainer's periodic probe reads the model at every history of each tree, each a new prompt
+# in torch (costs in docs/training/README.md): a small tree, its certified width logged beside the scores
 PROBE_BUDGET, PROBE_WIDTH = 16, 0.02
 
 
@@ -116,8 +115,7 @@ async def run_fidelity(path: Path, player: Player, out: Path, *, max_decisions: 
     out.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {
         "groups_file": str(path), "policy": player.policy.generation_params(), "groups": groups,
-        "histories": run.histories, "max_q_hit_width": run.max_width, "budget": budget,
-        "seconds": run.seconds, "scores": {k: v.to_dict() for k, v in run.scores.items()},
+        "budget": budget, "seconds": run.seconds, **fidelity.to_dict(),
     }
     tmp = run.out_file.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

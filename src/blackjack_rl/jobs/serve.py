@@ -258,6 +258,7 @@ class Worker:
             log.error("the API refused a group (HTTP %s): %s", r.status, r.detail)
         if self.cfg.fidelity_every and sent.sent_groups:
             self._scored.append(result.group)
+            del self._scored[: -self.cfg.fidelity_every]  # while a reading runs, the newest N wait for the next
             self._maybe_fidelity()
 
     def _maybe_fidelity(self) -> None:
@@ -265,10 +266,11 @@ class Worker:
 
         The worker plays a fixed model, so its credit is that policy's advantage, not the
         trainer's; the trainer scores the same groups against its own (`train --fidelity-every`).
-        One reading at a time: groups sent meanwhile wait for the next."""
+        One reading at a time: of the groups sent meanwhile the newest N wait for the next, so a
+        reading slower than the worker skips groups instead of holding them all."""
         if len(self._scored) < self.cfg.fidelity_every or (self._fidelity_task and not self._fidelity_task.done()):
             return
-        groups, self._scored = self._scored[: self.cfg.fidelity_every], self._scored[self.cfg.fidelity_every :]
+        groups, self._scored = self._scored, []
         sent = self.stats.groups_sent
 
         async def score() -> None:
