@@ -148,7 +148,7 @@ def _number(field, kind: type) -> float:
         base = default if isinstance(default, int) else int(b.get("ge", b.get("gt", 0) + 1))
         value = base + 1
         return value if value <= b.get("le", value) and value < b.get("lt", value + 1) else base - 1
-    return default / 2 if default else 0.5
+    return default / 2 if default else min(0.5, b.get("le", 1.0) / 2, b.get("lt", 1.0) / 2)
 
 
 def sample(option: Option, field) -> tuple[list[str], Any]:
@@ -197,6 +197,7 @@ NEEDS = {"--starts": ["--credit", "step"], "--decisions": ["--credit", "step"], 
          "--rollout-continuation": ["--credit", "step-rollouts"],
          "--rollout-refresh": ["--credit", "step-rollouts", "--rollout-continuation", "chart"],
          "--forced-weight": ["--credit", "step-counterfactual"],
+         "--format-credit": ["--credit", "step-counterfactual"],
          "--balance-by": ["--credit", "step-counterfactual", "--balance-actions"]}
 # The positional arguments a command needs besides its flags.
 POSITIONAL = {"compare": ["runs/a", "runs/b"], "fidelity": ["groups.jsonl"]}

@@ -231,6 +231,11 @@ class GroupConfig(_Section):
     format_weight: float = Field(
         1.0, ge=0.0, le=100.0, description="token modes: weight of the validity credit on an answer's format "
                                            "tokens (0: train the decision only)")
+    format_credit: Literal["gap", "likelihood"] = Field(
+        "gap", description="counterfactual modes: the forced calls' format credit: gap: the validity score less "
+                           "the policy's expected one, the gradient of P(valid), which fades as (1 - P(valid))^2 "
+                           "near a learned format; likelihood: --format-weight times each call's share of the "
+                           "two, the gradient of log P(one of the two calls), which fades only as 1 - P(valid)")
     balance_actions: bool = Field(False, description="train, step modes: weigh each batch's decisions so that "
                                                      "hit-optimal and stick-optimal states count equally "
                                                      "(step-rollouts: by the action its estimate values higher)")
@@ -259,6 +264,9 @@ class GroupConfig(_Section):
                 if getattr(self, name) != defaults[name].default:
                     raise ValueError(f"--{name.replace('_', '-')} weighs per-token advantages: use --credit "
                                      f"episode-tokens, step-tokens or step-counterfactual (not {mode})")
+        if self.format_credit != "gap" and not self.counterfactual:
+            raise ValueError("--format-credit likelihood credits the forced calls of --credit step-counterfactual or "
+                             f"step-rollouts (not {mode})")
         if self.forced_weight != "policy" and not self.counterfactual:
             raise ValueError("--forced-weight weighs the forced calls of --credit step-counterfactual or "
                              f"step-rollouts (not {mode})")
@@ -396,6 +404,12 @@ class TrainConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping: largest gradient norm")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip of the importance ratio")
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the initial model (0: no reference model)")
+    skip_certain: float = Field(0.0, ge=0.0, le=0.01, description="leave untrained the tokens the policy wrote with "
+                                                                 "probability at least 1 - this (by their sampling "
+                                                                 "logprobs): each one's gradient at the logits is at "
+                                                                 "most sqrt(2) x this x its advantage, and a learned "
+                                                                 "call's ~20 tokens then cost the LM head nothing "
+                                                                 "(0: train every token; needs --kl-coef 0)")
     scale_advantages: bool = Field(True, description="divide advantages by the group's score std (GRPO; off: Dr. GRPO)")
     updates_per_batch: int = Field(1, ge=1, description="optimizer steps on each batch (>1 makes later ones off-policy)")
     lora: bool = Field(False, description="train LoRA adapters (peft) instead of every weight")
@@ -434,6 +448,13 @@ class TrainConfig(_Section):
     api_token: str | None = Field(None, description="api: bearer token (or BLACKJACK_RL_TRAIN__API_TOKEN)")
     batch_size: int | None = Field(None, ge=1, description="api: sequences per batch (default deals_per_step x group_size)")
     batch_timeout: float = Field(600.0, gt=0, description="api: seconds to wait for a batch")
+
+    @model_validator(mode="after")
+    def _skip_needs_no_reference(self) -> "TrainConfig":
+        if self.skip_certain and self.kl_coef:
+            raise ValueError("--skip-certain drops tokens from the policy-gradient loss, but the KL term of "
+                             "--kl-coef needs every token: use one or the other")
+        return self
 
 
 class Settings(BaseSettings):

@@ -117,6 +117,20 @@ def validity_advantages(answers: Sequence[AnswerCredit], invalid_score: float, f
     return [weight * (s - mean) for s in scores]
 
 
+def likelihood_format(weight: float, shares: Sequence[float]) -> list[float]:
+    """The forced calls' format credit as the gradient of log P(one of the calls): `weight`
+    times each call's share of the two (its p(a | a call)), on every token of it.
+
+    On the tokens the calls share, the credits sum to `weight`: the likelihood of the call's
+    common start. The gap credit (`validity_advantages`) is P(valid)'s gradient instead, and
+    both calls get (1 - P(valid)) on every token, so near a learned format its pull fades as
+    the square of what is left to learn, while here it fades linearly. At the action word the
+    two tokens get weight * p(a | a call): their logits move apart only by the factor
+    (1 / P(valid) - 1) toward the likelier call, so the decision is left to its own credit.
+    """
+    return [weight * s for s in shares]
+
+
 def group_advantages(scores: Sequence[float], scale: bool = True) -> list[float]:
     """GRPO's scalar credit: score - group mean, divided by the group's std when `scale` (all
     zero when scores are equal). The trainer applies it to every token of a sequence that has

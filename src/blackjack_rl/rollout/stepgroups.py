@@ -50,6 +50,7 @@ from blackjack_rl.rollout.credit import (
     AnswerCredit,
     call_probabilities,
     decision_advantages,
+    likelihood_format,
     token_advantages,
     validity_advantages,
 )
@@ -153,6 +154,8 @@ async def _decide(player: Player, config: GroupConfig, env: BlackjackEnv, game: 
         group.generation_params["counterfactual"] = True
         if config.forced_weight != "policy":
             group.generation_params["forced_weight"] = config.forced_weight
+        if config.format_credit != "gap":
+            group.generation_params["format_credit"] = config.format_credit
         group.episodes[0].p_call = {"hit": p_call[HIT], "stick": p_call[STICK]}
         group.episodes[0].p_valid = p_valid
     if env.turn:
@@ -164,6 +167,8 @@ async def _decide(player: Player, config: GroupConfig, env: BlackjackEnv, game: 
         group.episodes[0].rollouts = estimate.k
     if config.token_advantages:
         formats = validity_advantages(credits, settings.invalid_score, settings.format_bonus, config.format_weight, p_valid)
+        if config.format_credit == "likelihood" and p_call is not None:
+            formats[n:] = likelihood_format(config.format_weight, [p_call[a] for a in FORCED])
         decisions = decision_advantages(credits, credit_q, p_call, config.scale_decisions,
                                         estimate.se_gap if estimate is not None else 0.0,
                                         config.forced_weight == "policy")

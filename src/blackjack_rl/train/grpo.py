@@ -11,6 +11,7 @@ that has not loaded the new weights) cannot move the policy far.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -149,7 +150,7 @@ def rows_of(group: ScoredDataGroup, advantages: list[float] | None) -> Rows:
 
 
 def merge_groups(work: Sequence[tuple[ScoredDataGroup, list[float] | None]], max_rows: int,
-                 *, drop_zero: bool = False) -> list[Rows]:
+                 *, drop_zero: bool = False, certain: float = 0.0) -> list[Rows]:
     """The sequences of many groups as a few large batches, each with per-token advantages.
 
     A sequence's loss depends on its own group only through its advantages, so once those
@@ -164,7 +165,13 @@ def merge_groups(work: Sequence[tuple[ScoredDataGroup, list[float] | None]], max
     ratio, so it is not trained, and neither is the part of a sequence after its last trained
     token. With the format unweighted (`--format-weight 0`), a decision's two calls are then
     trained up to their action word only, which they share up to: one row for the pair.
+
+    `certain` (with `drop_zero`): a token sampled with probability at least 1 - `certain` is
+    not trained either. Its logit gradient, A (e_t - p), has norm at most sqrt(2) * certain * |A|,
+    and once a call's format is learned most of its ~20 tokens are such tokens, each of
+    which would cost a full-vocabulary LM head forward and backward.
     """
+    floor = math.log1p(-certain) if certain > 0 else None
     rows: dict[bool, list[tuple[list[int], list[int], list[float] | None, list[float]]]] = {True: [], False: []}
     for group, adv in work:
         inference = group.inference_logprobs or None
@@ -172,6 +179,8 @@ def merge_groups(work: Sequence[tuple[ScoredDataGroup, list[float] | None]], max
             per_token = list(group.advantages[r]) if adv is None else [adv[r]] * len(seq)
             if drop_zero:
                 mask = [m if a != 0.0 else MASKED for m, a in zip(mask, per_token)]
+                if floor is not None and inference:
+                    mask = [m if lp < floor else MASKED for m, lp in zip(mask, inference[r])]
                 if all(m == MASKED for m in mask):
                     continue
             rows[inference is not None].append((seq, mask, inference[r] if inference else None, per_token))
@@ -289,7 +298,8 @@ def optimize(
     # The whole batch, groups without signal included: a batch whose only signal is one
     # invalid answer then makes a small step, not a full-size one.
     sequences = sum(len(g.tokens) for g in groups)
-    merged = merge_groups(work, settings.train.max_train_rows, drop_zero=loss_config.kl_coef == 0)
+    merged = merge_groups(work, settings.train.max_train_rows, drop_zero=loss_config.kl_coef == 0,
+                          certain=settings.train.skip_certain)
     processed = 0
     for _ in range(settings.train.updates_per_batch):
         optimizer.zero_grad(set_to_none=True)
