@@ -48,6 +48,26 @@ def test_the_shipped_three_phase_recipe_is_the_committed_run():
         previous = Path("runs") / f"p{i}"
 
 
+def test_the_shipped_whole_game_recipe_is_the_committed_run():
+    """Every setting of each phase equals what the committed run's phase ran with (its settings.json,
+    written by `train --recipe whole-game`), and each phase ran exactly its steps."""
+    committed = REPO / "docs" / "training" / "whole-game"
+    recipe = parse_recipe(*recipe_text("whole-game"))
+    assert "whole-game" in shipped() and recipe.signal == "solver"
+    seed = json.loads((committed / "run.json").read_text())["seed"]
+    previous = None
+    for i, _ in enumerate(recipe.phases):
+        folder = committed / recipe.phase_dir(i)
+        ran = _leaves(json.loads((folder / "settings.json").read_text()))
+        ours = _leaves(phase_settings(recipe, i, out=Path("runs/wg2"), seed=seed, previous=previous,
+                                      threads=2).model_dump(mode="json"))
+        assert ran == ours, f"phase {i + 1}: {({k: (ran.get(k), ours.get(k)) for k in ran.keys() | ours.keys() if ran.get(k) != ours.get(k)})}"
+        steps = [r["step"] for r in _rows(folder / "train_log.jsonl") if r.get("kind") == "step"]
+        assert steps == list(range(1, recipe.phases[i].steps + 1))
+        assert json.loads((folder / "phase.json").read_text())["stopped"] == "steps"
+        previous = Path("runs/wg2") / recipe.phase_dir(i)
+
+
 def test_dry_run_prints_every_phase_and_trains_nothing(tmp_path):
     run = run_cli("train", "--recipe", "three-phase", "--dry-run", "--out", str(tmp_path / "r"), cwd=tmp_path)
     assert run.returncode == 0, run.stderr
