@@ -46,6 +46,9 @@ class BlackjackTRLEnv:
 
     def __init__(self) -> None:
         self.env = BlackjackEnv(solution_for(self.rules), self.settings)
+        # whether the last reset returned the prompt (TRL shows it as one user turn) rather than
+        # the row's prompt showing the deal: what the model saw, for the fidelity callback
+        self.prompt_from_reset = False
 
     def reset(self, seed: int | None = None, prompt: Any = None, **row: Any) -> str | None:
         """Deal a fresh hand: the row's seed, or the factory's next one when the row has none.
@@ -60,9 +63,10 @@ class BlackjackTRLEnv:
                 raise ValueError("a dataset row with a prompt needs its `seed` column: build the dataset with prompt_dataset()")
             seed = self.first_seed + next(self._deals) // self.group_size
         messages, _ = self.env.reset(int(seed))
+        self.prompt_from_reset = not has_prompt
         if has_prompt:
             return None
-        return "\n\n".join(message["content"] for message in messages)
+        return reset_prompt(messages)
 
     def take_action(self, action: str) -> str:
         """Play your turn in Blackjack.
@@ -96,6 +100,11 @@ class BlackjackTRLEnv:
         if not self.env.done:
             self.env.step("", None, allow_retry=False)
         return float(self.env.play.score)
+
+
+def reset_prompt(messages: list[dict]) -> str:
+    """The prompt `reset` returns for a deal's opening messages: our system prompt and the hand in one text."""
+    return "\n\n".join(message["content"] for message in messages)
 
 
 def _has_content(prompt: Any) -> bool:
