@@ -13,7 +13,7 @@ from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text
 from blackjack_rl.game.solver import CARD_PROBS, after_hit, policy_outcome, solve, stick_outcome
 from blackjack_rl.game.table import Observation, Rules, Table
 from blackjack_rl.measure.probe import exact_game, exact_grid, history_ids, node_policy, probe_policy
-from blackjack_rl.measure.tree import deals, evaluate_game, is_natural, outcome_bounds, outcome_range
+from blackjack_rl.measure.tree import deals, evaluate_game, is_natural, most_decisions, outcome_bounds, outcome_range
 from blackjack_rl.policies.base import Reply
 from blackjack_rl.policies.bots import OptimalBot, RandomBot, ThresholdBot
 from blackjack_rl.rollout.episodes import play_episode
@@ -193,6 +193,34 @@ def test_a_small_budget_gives_an_interval_that_holds_the_value(solution, invalid
     assert widths[0] > widths[1] > widths[2]
 
 
+def test_the_most_decisions_any_play_can_reach():
+    assert most_decisions(21, False, 10) == 1.0  # every card busts a hard 21
+    assert most_decisions(20, False, 10) == pytest.approx(1 + 1 / 13)  # only an ace keeps it alive, at 21
+    assert most_decisions(12, False, 1) == 1.0  # the last allowed answer
+    # a deeper allowance can only add decisions, and a soft hand never busts on its next card
+    assert most_decisions(12, False, 2) < most_decisions(12, False, 10)
+    assert most_decisions(13, True, 2) == 2.0
+
+
+@pytest.mark.parametrize("budget", [20, 300, 2000, 4000])
+def test_the_accuracy_after_a_hit_of_a_partial_tree_bounds_the_whole_trees(solution, budget):
+    """A policy that is right on the likeliest histories and wrong deeper down: the accuracy over the
+    histories read overstates it, and its bounds hold the whole tree's accuracy (at budgets 2000 and
+    4000 only because they count the decisions below each unread history, not just its own)."""
+    def f(h):
+        right = len(h) <= 2  # optimal at the first decision and the one after a hit, wrong later
+        p_hit = float((solution.best_action(h[-1], is_natural(h)) == HIT) == right)
+        return p_hit, 1.0 - p_hit
+
+    exact = run(evaluate_game(solution, by_history(f), max_turns=4))
+    assert exact.complete and exact.after_hit_accuracy_low == exact.after_hit_accuracy == exact.after_hit_accuracy_high
+    g = run(evaluate_game(solution, by_history(f), max_turns=4, budget=budget, batch=64))
+    assert not g.complete
+    assert g.after_hit_accuracy_low <= exact.after_hit_accuracy <= g.after_hit_accuracy_high
+    if budget > len(deals()):  # some decisions after a hit were read: the likeliest, where this policy is right
+        assert g.after_hit_accuracy > exact.after_hit_accuracy + 0.05
+
+
 def test_the_search_stops_at_the_target_width_and_checks_the_policy(solution):
     optimal = stationary(lambda s, d, u, n: float(solution.best_action((s, d, u), n) == HIT))
     g = run(evaluate_game(solution, optimal, target_width=0.05, batch=32))
@@ -286,6 +314,13 @@ def test_grid_and_evaluate_write_and_print_the_whole_game(tmp_path):
     metrics = json.loads((tmp_path / "e" / "metrics.json").read_text())
     assert abs(metrics["grid"]["whole_game"]["value"] - exact) < 1e-9
     assert "whole game" in ev.stdout and 'id="whole-game"' in (tmp_path / "e" / "report.html").read_text()
+    # a tree that is not covered: the accuracy after a hit of those read, and its bounds for all of them
+    rand = run_cli("grid", "--policy", "random", "--out", str(tmp_path / "r"), cwd=tmp_path, env={"COLUMNS": "400"})
+    assert rand.returncode == 0, rand.stdout + rand.stderr
+    game = json.loads((tmp_path / "r" / "grid.json").read_text())["whole_game"]
+    assert not game["complete"] and game["after_hit_accuracy"] == pytest.approx(0.5)
+    assert 0.49 < game["after_hit_accuracy_low"] < 0.5 < game["after_hit_accuracy_high"] < 0.51
+    assert "of those read (all of them: " in rand.stdout and "all of them: " in (tmp_path / "r" / "grid.html").read_text()
 
 
 def test_the_trainers_chart_carries_the_whole_game_unless_told_not_to(solution):

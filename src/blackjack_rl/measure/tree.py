@@ -29,6 +29,7 @@ as invalid (see `probe.exact_game`).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import asdict, dataclass, field
@@ -115,6 +116,10 @@ class GameTree:
     after_hit_accuracy_valid: float | None
     stick_after_hit_accuracy: float | None  # the same decisions, had the player always stuck
     after_hit_decisions: float  # expected decisions after a hit per deal, over the scored tree
+    # the accuracy after a hit whatever the unscored histories hold: all wrong or all right, with
+    # as many decisions below each as always hitting could reach (equal to the accuracy when complete)
+    after_hit_accuracy_low: float | None
+    after_hit_accuracy_high: float | None
     roots: dict[Observation, tuple[float, float]] = field(repr=False, compare=False)  # first decisions scored
     frontier: tuple[tuple[History, float], ...] = field(repr=False, compare=False)  # unscored, with reach
 
@@ -234,18 +239,43 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0.0 else None
 
 
+@functools.lru_cache(maxsize=None)
+def most_decisions(player_sum: int, usable_ace: bool, answers_left: int) -> float:
+    """The most decisions any play can expect from a decision on, itself included: always hitting
+    (a stick or an invalid answer ends the episode at one), until a bust or the last allowed answer."""
+    if answers_left <= 1:
+        return 1.0
+    more = 0.0
+    for card, p in CARD_PROBS:
+        s2, u2 = after_hit(player_sum, usable_ace, card)
+        if s2 <= 21:
+            more += p * most_decisions(s2, u2, answers_left - 1)
+    return 1.0 + more
+
+
+def _after_hit_bounds(tree: _Tree, frontier: Sequence[tuple[History, float]]) -> tuple[float | None, float | None]:
+    """An unscored history holds at most `most_decisions` decisions after a hit (less its own, if it
+    is a dealt hand). Counting them all wrong, or all right, bounds the reach-weighted accuracy."""
+    right, seen = tree.totals.later[1], tree.totals.later[0]
+    unseen = math.fsum(r * (most_decisions(h[-1].player_sum, h[-1].usable_ace, tree.max_turns - (len(h) - 1))
+                            - (len(h) == 1)) for h, r in frontier)
+    return _ratio(right, seen + unseen), _ratio(right + unseen, seen + unseen)
+
+
 def _result(tree: _Tree) -> GameTree:
     t = tree.totals
     frontier = tuple((h, -neg) for neg, _, h in sorted(tree.heap))
     low = math.fsum([t.value, *(r * tree.bound(h)[0] for h, r in frontier)])
     high = math.fsum([t.value, *(r * tree.bound(h)[1] for h, r in frontier)])
     unexplored = math.fsum(r for _, r in frontier)
+    after_low, after_high = _after_hit_bounds(tree, frontier)
     return GameTree(
         value_low=low, value_high=high, explored_mass=1.0 - unexplored, unexplored_mass=unexplored,
         nodes=t.nodes, max_depth=t.max_depth, p_invalid=t.invalid,
         first_accuracy=_ratio(t.first[1], t.first[0]), first_accuracy_valid=_ratio(t.first[1], t.first[2]),
         after_hit_accuracy=_ratio(t.later[1], t.later[0]), after_hit_accuracy_valid=_ratio(t.later[1], t.later[2]),
         stick_after_hit_accuracy=_ratio(t.later[3], t.later[0]), after_hit_decisions=t.later[0],
+        after_hit_accuracy_low=after_low, after_hit_accuracy_high=after_high,
         roots=dict(t.roots), frontier=frontier,
     )
 

@@ -127,8 +127,11 @@ def game_line(game: Mapping[str, Any]) -> str:
             f"[{game['value_low']:+.4f}, {game['value_high']:+.4f}] (width {game['width']:.4f}, "
             f"{game['nodes']:,} histories{where}, {game['seconds']:.1f}s)")
     if game.get("after_hit_accuracy") is not None:
-        line += (f"; after a hit {100 * game['after_hit_accuracy']:.1f}% right, always sticking there "
-                 f"{100 * game['stick_after_hit_accuracy']:.1f}%")
+        line += f"; after a hit {100 * game['after_hit_accuracy']:.1f}% right"
+        if not game["complete"] and game.get("after_hit_accuracy_low") is not None:
+            line += (f" of those read (all of them: {100 * game['after_hit_accuracy_low']:.1f}-"
+                     f"{100 * game['after_hit_accuracy_high']:.1f}%)")
+        line += f", always sticking there {100 * game['stick_after_hit_accuracy']:.1f}%"
     return line
 
 

@@ -130,4 +130,6 @@ def grid_metrics(player: Player, settings: Settings) -> dict[str, Any]:
         "game_value_low": game.get("value_low"),
         "game_value_high": game.get("value_high"),
         "after_hit_accuracy": game.get("after_hit_accuracy"),
+        "after_hit_accuracy_low": game.get("after_hit_accuracy_low"),
+        "after_hit_accuracy_high": game.get("after_hit_accuracy_high"),
     }
