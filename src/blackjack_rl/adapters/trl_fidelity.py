@@ -167,8 +167,11 @@ class FidelityCallback(TrainerCallback):
         self._due = every  # the first step whose new batch is scored
         self._seen: Any = None  # the generation batch last seen
         self._player: Player | None = None  # built at the first reading, from the batch's environments
-        self._policy: TorchPolicy | None = None
-        self._chat: ToolChatFormat | None = None
+
+    @property
+    def _chat(self) -> ToolChatFormat | None:
+        """The prompts the truth reads (the player's chat format), once a reading has built it."""
+        return self._player.chat if self._player is not None else None  # type: ignore[return-value]
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         batch = self.trainer._buffered_inputs
@@ -196,8 +199,9 @@ class FidelityCallback(TrainerCallback):
         if not envs or not all(isinstance(env, BlackjackTRLEnv) for env in envs):
             raise ValueError("FidelityCallback scores BlackjackTRLEnv rollouts: pass environment_factory=BlackjackTRLEnv "
                              "or a trl_environment(...)")
-        player, policy, chat = self.player(envs)
-        rollouts = self.batch_rollouts(envs, chat)
+        player = self.player(envs)
+        policy = player.policy
+        rollouts = self.batch_rollouts(envs, player.chat)
         table = player.tables.acquire()
         try:
             samples = rollout_samples(rollouts, table)
@@ -239,36 +243,32 @@ class FidelityCallback(TrainerCallback):
                                       not play.retries and play.score is not None and math.isfinite(advantage)))
         return out
 
-    def player(self, envs: list[BlackjackTRLEnv]) -> tuple[Player, TorchPolicy, ToolChatFormat]:
+    def player(self, envs: list[BlackjackTRLEnv]) -> Player:
         """The model TRL trains as our torch policy, at TRL's temperature, with TRL's prompts
         (in the form these rollouts' resets made TRL show); built once."""
-        factory = type(envs[0])
         kinds = {env.prompt_from_reset for env in envs}
         if len(kinds) > 1:
             raise ValueError("a batch mixes dataset prompts and prompts from reset(): fidelity needs one kind")
         from_reset = kinds.pop()
-        t = self.trainer
         if self._player is None:
-            with tempfile.TemporaryDirectory() as tmp:  # our tokenizer wrapper, on a copy of TRL's tokenizer
-                t.processing_class.save_pretrained(tmp)
-                tokenizer = HFTokenizer(tmp, via_transformers=True)
-            args = t.args
-            policy = TorchPolicy(t.model, tokenizer, sampling=Sampling(temperature=float(args.temperature),
-                                                                       max_tokens=int(args.max_completion_length)))
-            s = factory.settings
-            # TRL runs at most max_tool_calling_iterations calls: a hit as the last of them leaves
-            # the hand open and the rollout ends invalid, as the env's max_turns truncation does
-            limit = getattr(t, "max_tool_calling_iterations", None) or s.max_turns
-            settings = EpisodeSettings(**{**{f.name: getattr(s, f.name) for f in fields(s)},
-                                          "max_turns": min(s.max_turns, int(limit))},
-                                       max_token_length=2**31,  # TRL's completion budget: not modelled
-                                       max_new_tokens=int(args.max_completion_length))
-            chat = ToolChatFormat.of(policy.chat, t, from_reset)
-            self._player, self._policy, self._chat = Player(policy, chat, solution_for(factory.rules), settings), policy, chat
-        player, policy, chat = self._player, self._policy, self._chat
-        if policy is None or chat is None:
-            raise RuntimeError("the fidelity player was built without its policy")
-        if chat.prompt_from_reset != from_reset:
-            chat = self._chat = ToolChatFormat.of(policy.chat, t, from_reset)
-            player.chat = chat
-        return player, policy, chat
+            self._player = self._new_player(type(envs[0]), from_reset)
+        elif self._player.chat.prompt_from_reset != from_reset:  # type: ignore[attr-defined]
+            self._player.chat = ToolChatFormat.of(self._player.policy.chat, self.trainer, from_reset)  # type: ignore[attr-defined]
+        return self._player
+
+    def _new_player(self, factory: type[BlackjackTRLEnv], from_reset: bool) -> Player:
+        t, args = self.trainer, self.trainer.args
+        with tempfile.TemporaryDirectory() as tmp:  # our tokenizer wrapper, on a copy of TRL's tokenizer
+            t.processing_class.save_pretrained(tmp)
+            tokenizer = HFTokenizer(tmp, via_transformers=True)
+        policy = TorchPolicy(t.model, tokenizer, sampling=Sampling(temperature=float(args.temperature),
+                                                                   max_tokens=int(args.max_completion_length)))
+        s = factory.settings
+        # TRL runs at most max_tool_calling_iterations calls: a hit as the last of them leaves
+        # the hand open and the rollout ends invalid, as the env's max_turns truncation does
+        limit = getattr(t, "max_tool_calling_iterations", None) or s.max_turns
+        settings = EpisodeSettings(**{**{f.name: getattr(s, f.name) for f in fields(s)},
+                                      "max_turns": min(s.max_turns, int(limit))},
+                                   max_token_length=2**31,  # TRL's completion budget: not modelled
+                                   max_new_tokens=int(args.max_completion_length))
+        return Player(policy, ToolChatFormat.of(policy.chat, t, from_reset), solution_for(factory.rules), settings)
