@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from blackjack_rl.config import GroupConfig
-from blackjack_rl.game.table import HIT, STICK, Observation, Table
+from blackjack_rl.game.table import HIT, STICK, Observation, Rules, Table
 from blackjack_rl.rollout.estimates import CallMemo, estimate_q
 from blackjack_rl.rollout.players import Player
 from blackjack_rl.policies.bots import OptimalBot, ThresholdBot
@@ -41,6 +41,35 @@ def test_a_resumed_hit_and_stick_see_the_same_cards_in_the_same_roles():
         table.resume([10, 2], 6, key)
         assert table.step(HIT).observation.player_sum - 12 == drawn or drawn + 12 > 21
     assert len(holes) == 10  # fresh hidden cards per rollout
+
+
+@pytest.mark.parametrize("rules", [Rules(), Rules(natural=True), Rules(sab=True)], ids=["default", "natural", "sab"])
+def test_a_hit_path_is_every_replay_of_its_rollout(rules):
+    """`Table.hit_path` plays a rollout's stick after 0, 1, 2, ... hits in one pass; each must be
+    what resuming the same key, hitting that many times and sticking gives (cards and rewards),
+    naturals and soft hands included."""
+    table, reference = Table(rules), Table(rules)
+    rng = random.Random(11)
+    starts = [[1, 10], [10, 1], [1, 6], [1, 1], [10, 6], [2, 3], [9, 2], [10, 10], [1, 5, 5]]
+    seen_busts, longest = 0, 0
+    for i in range(1500):
+        hand, up, key = starts[i % len(starts)], rng.randint(1, 10), [rng.getrandbits(40), i % 3, i]
+        hands, rewards, busts = table.hit_path(hand, up, key, 12)
+        want_hands, want_rewards = [], []
+        for hits in range(13):
+            reference.resume(hand, up, key)
+            for _ in range(hits):
+                step = reference.step(HIT)
+            if hits and step.terminated:
+                break
+            if hits:
+                want_hands.append(step.observation)
+            want_rewards.append(reference.step(STICK).reward)
+        assert (hands, rewards) == (want_hands, want_rewards), (hand, up, key)
+        assert busts == (len(want_rewards) < 13)
+        seen_busts += busts
+        longest = max(longest, len(hands))
+    assert seen_busts > 1000 and longest >= 4  # paths of every length were compared
 
 
 @pytest.mark.parametrize("bot", ["optimal", "threshold"])
@@ -148,16 +177,20 @@ LEAK_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_no_solver_output_reaches_reward_only_training(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("credit", [[], ["--forced-weight", "greedy", "--format-credit", "likelihood",
+                                           "--format-weight", "0.25", "--skip-certain", "1e-3"]],
+                         ids=["all-action", "greedy"])
+def test_no_solver_output_reaches_reward_only_training(tiny_model_dir, tmp_path, credit):
     """The leak test: three steps with the solver replaced by a random table train exactly the
-    same losses and adapter bytes as with the real one."""
+    same losses and adapter bytes as with the real one (with the all-action credit, and with the
+    reward-only recipe's greedy credit and format credit)."""
     pytest.importorskip("torch")
     runs = {}
     for which in ("real", "random"):
         out = tmp_path / which
         args = ["train", "--model-path", str(tiny_model_dir), "--steps", "3", "--deals-per-step", "3",
                 "--credit", "step-rollouts", "--group-size", "0", "--rollouts", "4", "--starts", "uniform",
-                "--balance-actions", "--scale-decisions",
+                "--balance-actions", "--scale-decisions", *credit,
                 "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "0", "--save-every", "3", "--lora",
                 "--threads", "1", "--seed", "3", "--out", str(out)]
         proc = subprocess.run([sys.executable, "-c", LEAK_SCRIPT, which, *args], env=cli_env(), cwd=tmp_path,
@@ -365,7 +398,7 @@ def test_unweighted_forced_credit_does_not_vanish_where_the_policy_is_sure():
     for p_hit in (1e-6, 0.2, 0.5, 0.9):
         p = {1: p_hit, 0: 1 - p_hit}
         weighted = decision_advantages(calls, q, p)
-        plain = decision_advantages(calls, q, p, weigh_forced=False)
+        plain = decision_advantages(calls, q, p, forced_weight="none")
 
         def on_logit(credits):  # d log p(hit)/dz = p_stick, d log p(stick)/dz = -p_hit
             return credits[0] * p[0] - credits[1] * p[1]
@@ -375,6 +408,35 @@ def test_unweighted_forced_credit_does_not_vanish_where_the_policy_is_sure():
         assert on_logit(plain) >= 0.25
     with pytest.raises(ValueError, match="--forced-weight weighs the forced calls"):
         GroupConfig(credit="step", forced_weight="none")
+
+
+def test_greedy_forced_credit_is_the_cross_entropy_toward_the_better_call():
+    """--forced-weight greedy: the better call (by the group's Q) gets the gap, the other nothing,
+    so the gradient on the logit difference is (1 - p_better) times the gap: full where the policy
+    is sure of the worse call, nothing where it is sure of the better one. The other two modes
+    push on at a sure right policy (none) or stop at a sure wrong one (policy)."""
+    from blackjack_rl.rollout.credit import AnswerCredit, decision_advantages, decision_pull
+
+    calls = [AnswerCredit(True, HIT, True), AnswerCredit(True, STICK, True)]
+    for q, better in (((-0.2, 0.3), HIT), ((0.1, -0.6), STICK)):
+        gap = abs(q[1] - q[0])
+        sign = 1 if better == HIT else -1
+        for p_hit in (1e-6, 0.3, 0.7, 1 - 1e-6):
+            p = {HIT: p_hit, STICK: 1 - p_hit}
+            hit, stick = decision_advantages(calls, q, p, forced_weight="greedy")
+            assert (hit, stick) == ((gap, 0.0) if better == HIT else (0.0, gap))
+            assert decision_pull(q, p, forced_weight="greedy") == pytest.approx(sign * (1 - p[better]) * gap)
+        sure_wrong = {better: 1e-6, 1 - better: 1 - 1e-6}
+        sure_right = {better: 1 - 1e-6, 1 - better: 1e-6}
+        assert abs(decision_pull(q, sure_wrong, forced_weight="greedy")) == pytest.approx(gap, rel=1e-5)
+        assert abs(decision_pull(q, sure_wrong)) < 1e-5  # policy: stuck on the wrong call
+        assert abs(decision_pull(q, sure_right, forced_weight="greedy")) < 1e-5
+        assert abs(decision_pull(q, sure_right, forced_weight="none")) == pytest.approx(gap, rel=1e-5)
+    # scaled by the estimate's noise: a near-tie pulls less than a clear gap, never the other way
+    near = decision_advantages(calls, (-0.5, -0.44), {HIT: 0.5, STICK: 0.5}, True, 0.06, "greedy")
+    clear = decision_advantages(calls, (-0.5, 0.3), {HIT: 0.5, STICK: 0.5}, True, 0.06, "greedy")
+    assert near == pytest.approx([0.5, 0.0]) and clear == pytest.approx([1.0, 0.0])
+    assert decision_advantages(calls, (0.2, 0.2), {HIT: 0.5, STICK: 0.5}, forced_weight="greedy") == [0.0, 0.0]
 
 
 @pytest.mark.slow
@@ -411,8 +473,8 @@ def test_fidelity_probes_need_fidelity_every(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("weigh_forced", [True, False])
-def test_the_decision_pull_is_the_credits_gradient_on_the_logit_difference(weigh_forced):
+@pytest.mark.parametrize("forced_weight", ["policy", "none", "greedy"])
+def test_the_decision_pull_is_the_credits_gradient_on_the_logit_difference(forced_weight):
     """decision_pull = d/dz of sum_a adv_a log p(a | z), p(hit) = sigmoid(z), with the forced
     calls' advantages held fixed: checked by a finite difference at assorted policies and gaps."""
     from blackjack_rl.rollout.credit import AnswerCredit, decision_advantages, decision_pull
@@ -424,7 +486,7 @@ def test_the_decision_pull_is_the_credits_gradient_on_the_logit_difference(weigh
         p_call = {HIT: p_hit, STICK: 1 - p_hit}
         scale, se = rng.random() < 0.5, rng.uniform(0, 0.1)
         hit, stick = decision_advantages([AnswerCredit(True, HIT, True), AnswerCredit(True, STICK, True)], q, p_call,
-                                         scale, se, weigh_forced)
+                                         scale, se, forced_weight)
         z, h = math.log(p_hit / (1 - p_hit)), 1e-6
 
         def surrogate(z: float) -> float:
@@ -432,7 +494,7 @@ def test_the_decision_pull_is_the_credits_gradient_on_the_logit_difference(weigh
             return hit * math.log(p) + stick * math.log(1 - p)
 
         numeric = (surrogate(z + h) - surrogate(z - h)) / (2 * h)
-        assert decision_pull(q, p_call, scale, se, weigh_forced) == pytest.approx(numeric, rel=1e-4, abs=1e-8)
+        assert decision_pull(q, p_call, scale, se, forced_weight) == pytest.approx(numeric, rel=1e-4, abs=1e-8)
 
 
 def test_balancing_by_credit_leaves_no_net_pull_where_counting_does():

@@ -218,10 +218,12 @@ class GroupConfig(_Section):
                                          "a snapshot of the continuation serves: 1: the policy of the step itself; "
                                          "N: its chart scored once and held for N steps, so the credit's target "
                                          "stands still while the decisions move toward it (policy iteration)")
-    forced_weight: Literal["policy", "none"] = Field(
+    forced_weight: Literal["policy", "none", "greedy"] = Field(
         "policy", description="step-counterfactual, step-rollouts: the forced calls' credit: policy: p(a) (Q(a) - V), "
                               "the exact all-action gradient, which vanishes where the policy is sure of one call; "
-                              "none: Q(a) - V, so a policy sure of the wrong call still learns the other")
+                              "none: Q(a) - V, so a policy sure of the wrong call still learns the other; greedy: "
+                              "the better call gets the gap and the other nothing, the cross-entropy toward the "
+                              "better call, which fades only where the policy is right")
     decisions: Literal["all", "first"] = Field(
         "all", description="step modes: all: a group at every decision of a deal; first: at its first decision only "
                            "(later prompts carry the game's history)")

@@ -130,6 +130,35 @@ class Table:
         self._done = False
         return Observation(_hand_total(self._env.player), int(dealer_card), _usable_ace(self._env.player))
 
+    def hit_path(self, player_hand: list[int], dealer_card: int, seed: Sequence[int], max_hits: int
+                 ) -> tuple[list[Observation], list[float], bool]:
+        """Rollout `seed` of a hand from a decision, every action at once: the hands after 1, 2, ...
+        hits (until one busts or `max_hits`), the stick's reward at the decision and after each
+        of those hits, and whether the last hit busted.
+
+        Each is what `resume(seed)`, that many hits and a stick give, and Gymnasium pays every
+        reward, but the streams are resumed once: the player's stream is only read further, and
+        the dealer plays his hand once, since his cards do not depend on the player's. A later
+        stick meets his finished hand (17 or more), so Gymnasium draws nothing and only scores it.
+        """
+        self.resume(player_hand, dealer_card, seed)
+        start = list(self._env.dealer)
+        hand, dealer = list(player_hand), start
+        hands: list[Observation] = []
+        rewards: list[float] = []
+        for hits in range(max_hits + 1):
+            if hits:
+                self._env.player, self._env.dealer, self._done = list(hand), list(start), False
+                step = self.step(HIT)
+                hand = list(self._env.player)
+                if step.terminated:
+                    return hands, rewards, True
+                hands.append(step.observation)
+            self._env.player, self._env.dealer, self._done = list(hand), list(dealer), False
+            rewards.append(self.step(STICK).reward)
+            dealer = list(self._env.dealer)
+        return hands, rewards, False
+
     def step(self, action: int) -> TableStep:
         if self._done:
             raise RuntimeError("step() after the hand ended: call reset(seed) to deal a new hand")

@@ -160,16 +160,20 @@ def call_probabilities(logprob_hit: float, logprob_stick: float) -> dict[int, fl
 
 def decision_advantages(answers: Sequence[AnswerCredit], q: Sequence[float],
                         p_call: dict[int, float] | None, scale: bool = False, se_gap: float = 0.0,
-                        weigh_forced: bool = True) -> list[float]:
+                        forced_weight: str = "policy") -> list[float]:
     """The decision credit of each answer's action tokens (see the module docstring).
 
     `q` is (Q*(s, stick), Q*(s, hit)), or the rollouts' estimates with `se_gap` the standard
     error of their difference; `p_call` the policy's probabilities of the two forced calls,
-    given when the group holds them; `scale` divides by the decision's spread. Without
-    `weigh_forced` a forced call gets Q(a) - V_p instead of p(a) (Q(a) - V_p): summed over the
-    two calls the gradient is (p_hit^2 + p_stick^2) (Q(hit) - Q(stick)) on the logit difference
-    instead of p_hit p_stick (Q(hit) - Q(stick)), which never falls below half the gap, so a
-    policy that became sure of one call can still learn the other.
+    given when the group holds them; `scale` divides by the decision's spread. `forced_weight`
+    says what a forced call gets, and so the gradient on the logit difference z_hit - z_stick:
+    - policy: p(a) (Q(a) - V_p), the all-action gradient p_hit p_stick (Q(hit) - Q(stick)),
+      zero at either sure policy, right or wrong;
+    - none: Q(a) - V_p, the gradient (p_hit^2 + p_stick^2) (Q(hit) - Q(stick)), never under
+      half the gap, even where the policy is already sure of the better call;
+    - greedy: the better call gets |Q(hit) - Q(stick)|, the other nothing: the cross-entropy
+      toward the better call, weighted by the gap, whose gradient (1 - p_better) |gap| fades
+      only where the policy is right (classification-based policy iteration on estimates).
     """
     if scale:
         gap = max(abs(q[1] - q[0]), DECISION_SCALE_FLOOR, ESTIMATE_FLOOR_SE * se_gap)
@@ -183,20 +187,23 @@ def decision_advantages(answers: Sequence[AnswerCredit], q: Sequence[float],
     for a in answers:
         if not a.valid or a.action is None:
             out.append(0.0)
+        elif a.forced and forced_weight == "greedy":
+            better = HIT if q[HIT] > q[STICK] else STICK
+            out.append(abs(q[HIT] - q[STICK]) if a.action == better and q[HIT] != q[STICK] else 0.0)
         elif a.forced:
-            out.append((p_call[a.action] if weigh_forced else 1.0) * (q[a.action] - v_p))
+            out.append((p_call[a.action] if forced_weight == "policy" else 1.0) * (q[a.action] - v_p))
         else:
             out.append(0.0 if counterfactual else q[a.action] - baseline)
     return out
 
 
 def decision_pull(q: Sequence[float], p_call: dict[int, float], scale: bool = False, se_gap: float = 0.0,
-                  weigh_forced: bool = True) -> float:
+                  forced_weight: str = "policy") -> float:
     """How hard a counterfactual group's decision credit pulls the logit difference z_hit - z_stick:
     each forced call's credit times d log p(call) / dz (p_stick for the hit call, -p_hit for the
     stick call), summed. Its sign is the better action's; `action_balance` weighs classes by it."""
     hit, stick = decision_advantages([AnswerCredit(True, HIT, True), AnswerCredit(True, STICK, True)], q, p_call,
-                                     scale, se_gap, weigh_forced)
+                                     scale, se_gap, forced_weight)
     return hit * p_call[STICK] - stick * p_call[HIT]
 
 

@@ -162,20 +162,10 @@ class _CardPath:
 
 
 def _card_path(table: Table, hand: list[int], dealer_card: int, seed: list[int]) -> _CardPath:
-    """Replays rollout `seed` from the decision: the stick at once, after one hit, after two...
-    Every replay resumes the same streams, so each sees the same cards in the same roles."""
-    hands: list[Observation] = []
-    rewards: list[float] = []
-    for hits in range(MAX_HITS + 1):
-        table.resume(hand, dealer_card, seed)
-        for _ in range(hits):
-            step = table.step(HIT)
-            if step.terminated:  # the last of these hits busted: the path ends here
-                return _CardPath(tuple(hands), tuple(rewards), True)
-        if hits:
-            hands.append(step.observation)
-        rewards.append(table.step(STICK).reward)
-    return _CardPath(tuple(hands), tuple(rewards), False)
+    """Rollout `seed` from the decision: the stick at once, after one hit, after two... each on
+    the same cards in the same roles (`Table.hit_path`)."""
+    hands, rewards, busts = table.hit_path(hand, dealer_card, seed, MAX_HITS)
+    return _CardPath(tuple(hands), tuple(rewards), busts)
 
 
 def _hit_value(path: _CardPath, probs: dict[tuple[Observation, ...], tuple[float, float]], decision: int,

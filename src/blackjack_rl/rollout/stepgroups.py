@@ -171,7 +171,7 @@ async def _decide(player: Player, config: GroupConfig, env: BlackjackEnv, game: 
             formats[n:] = likelihood_format(config.format_weight, [p_call[a] for a in FORCED])
         decisions = decision_advantages(credits, credit_q, p_call, config.scale_decisions,
                                         estimate.se_gap if estimate is not None else 0.0,
-                                        config.forced_weight == "policy")
+                                        config.forced_weight)
         answers = [[AnswerAdvantage(r.text, c.valid, d)] for r, c, d in zip(replies, credits, decisions)]
         group.advantages = token_advantages(sequences, answers, formats, player.chat.backend.decode)
     return _Decision(replies, sequences, scores, p_call, turn.seed, group)

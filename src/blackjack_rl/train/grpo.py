@@ -240,9 +240,9 @@ def credit_pull(group: ScoredDataGroup, settings: Settings) -> float:
     if d is None or d.p_call is None:
         return 0.0
     q = d.q_estimate if d.q_estimate is not None else d.q
-    forced = group.generation_params.get("forced_weight", "policy") == "policy"
     return decision_pull((q["stick"], q["hit"]), {HIT: d.p_call["hit"], STICK: d.p_call["stick"]},
-                         settings.groups.scale_decisions, (d.q_estimate or {}).get("se_gap", 0.0), forced)
+                         settings.groups.scale_decisions, (d.q_estimate or {}).get("se_gap", 0.0),
+                         group.generation_params.get("forced_weight", "policy"))
 
 
 def better_action(decision: StepRecord) -> str:
