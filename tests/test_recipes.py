@@ -48,24 +48,27 @@ def test_the_shipped_three_phase_recipe_is_the_committed_run():
         previous = Path("runs") / f"p{i}"
 
 
-def test_the_shipped_whole_game_recipe_is_the_committed_run():
+@pytest.mark.parametrize("name, signal, out", [("whole-game", "solver", "runs/wg2"),
+                                               ("reward-only", "table", "runs/ro3-fresh")])
+def test_a_shipped_recipe_is_its_committed_run(name, signal, out):
     """Every setting of each phase equals what the committed run's phase ran with (its settings.json,
-    written by `train --recipe whole-game`), and each phase ran exactly its steps."""
-    committed = REPO / "docs" / "training" / "whole-game"
-    recipe = parse_recipe(*recipe_text("whole-game"))
-    assert "whole-game" in shipped() and recipe.signal == "solver"
-    seed = json.loads((committed / "run.json").read_text())["seed"]
+    written by `train --recipe NAME`), and each phase ran exactly its steps."""
+    committed = REPO / "docs" / "training" / name
+    recipe = parse_recipe(*recipe_text(name))
+    assert name in shipped() and recipe.signal == signal
+    meta = json.loads((committed / "run.json").read_text())
+    assert (meta["recipe"], meta["version"], meta["signal"]) == (name, recipe.version, signal)
     previous = None
     for i, _ in enumerate(recipe.phases):
         folder = committed / recipe.phase_dir(i)
         ran = _leaves(json.loads((folder / "settings.json").read_text()))
-        ours = _leaves(phase_settings(recipe, i, out=Path("runs/wg2"), seed=seed, previous=previous,
-                                      threads=2).model_dump(mode="json"))
+        ours = _leaves(phase_settings(recipe, i, out=Path(out), seed=meta["seed"], previous=previous,
+                                      threads=ran[("policy", "n_threads")]).model_dump(mode="json"))
         assert ran == ours, f"phase {i + 1}: {({k: (ran.get(k), ours.get(k)) for k in ran.keys() | ours.keys() if ran.get(k) != ours.get(k)})}"
         steps = [r["step"] for r in _rows(folder / "train_log.jsonl") if r.get("kind") == "step"]
         assert steps == list(range(1, recipe.phases[i].steps + 1))
         assert json.loads((folder / "phase.json").read_text())["stopped"] == "steps"
-        previous = Path("runs/wg2") / recipe.phase_dir(i)
+        previous = Path(out) / recipe.phase_dir(i)
 
 
 def test_dry_run_prints_every_phase_and_trains_nothing(tmp_path):
@@ -91,7 +94,7 @@ def test_dry_run_prints_every_phase_and_trains_nothing(tmp_path):
     (["--lora-rank", "4"], "add --lora"),
     (["--recipe", "three-phase", "--lr", "1"], "the recipe sets it"),
     (["--recipe", "three-phase", "--config", "x.yaml"], "--config"),
-    (["--recipe", "no-such-recipe"], "shipped recipes are three-phase"),
+    (["--recipe", "no-such-recipe"], "shipped recipes are reward-only, three-phase"),
 ])
 def test_train_refuses_what_does_nothing_for_it(tmp_path, argv, says):
     (tmp_path / "x.yaml").write_text("train: {lr: 0.1}\n")
@@ -128,10 +131,7 @@ def test_a_reward_only_recipe_refuses_every_phase_the_solver_would_credit(tmp_pa
 
 
 def test_the_reward_only_recipe_is_reward_only():
-    from blackjack_rl.train.recipe import parse_recipe, phase_settings
-
-    path = Path(__file__).resolve().parents[1] / "docs" / "training" / "reward-only" / "recipe.yaml"
-    recipe = parse_recipe(path.read_text(), str(path))
+    recipe = parse_recipe(*recipe_text("reward-only"))
     assert recipe.signal == "table"
     for i, _ in enumerate(recipe.phases):
         g = phase_settings(recipe, i).groups

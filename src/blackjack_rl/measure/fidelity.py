@@ -14,7 +14,9 @@ What counts as a group's credit for an action (`credit_samples`):
 - with per-token `advantages`: the advantage on the answer's action word minus that on its first
   token (the format credit our token modes put on every token), and for a forced call of a
   counterfactual group divided by the policy's probability of that call (its credit is the
-  all-action term p(a) * (Q(a) - V), unless the group records `forced_weight: none`);
+  all-action term p(a) * (Q(a) - V), unless the group records `forced_weight` none or greedy,
+  whose credit is the call's own: Q(a) - V, or the scaled gap for the better call and 0 for the
+  other);
 - without: GRPO's scalar advantage of the sequence (score - mean, over the std), which the
   trainer puts on every token, so every decision of a whole episode gets its episode's.
 """
