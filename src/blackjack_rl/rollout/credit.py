@@ -189,7 +189,7 @@ def decision_advantages(answers: Sequence[AnswerCredit], q: Sequence[float],
             out.append(0.0)
         elif a.forced and forced_weight == "greedy":
             better = HIT if q[HIT] > q[STICK] else STICK
-            out.append(abs(q[HIT] - q[STICK]) if a.action == better and q[HIT] != q[STICK] else 0.0)
+            out.append(abs(q[HIT] - q[STICK]) if a.action == better else 0.0)  # a tie: 0 for both
         elif a.forced:
             out.append((p_call[a.action] if forced_weight == "policy" else 1.0) * (q[a.action] - v_p))
         else:
