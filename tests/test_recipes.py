@@ -48,12 +48,16 @@ def test_the_shipped_three_phase_recipe_is_the_committed_run():
         previous = Path("runs") / f"p{i}"
 
 
-@pytest.mark.parametrize("name, signal, out", [("whole-game", "solver", "runs/wg2"),
-                                               ("reward-only", "table", "runs/ro3-fresh")])
-def test_a_shipped_recipe_is_its_committed_run(name, signal, out):
+@pytest.mark.parametrize("name, signal, out, docs", [
+    ("whole-game", "solver", "runs/wg2", "whole-game"),
+    ("reward-only", "table", "runs/ro3-fresh", "reward-only"),
+    ("outcome-baseline", "table", "runs/outcome-baseline", "reward-only/outcome-baseline"),
+])
+def test_a_shipped_recipe_is_its_committed_run(name, signal, out, docs):
     """Every setting of each phase equals what the committed run's phase ran with (its settings.json,
-    written by `train --recipe NAME`), and each phase ran exactly its steps."""
-    committed = REPO / "docs" / "training" / name
+    written by `train --recipe NAME`; a phase continued by `train --resume` also records where it
+    resumed), and each phase ran exactly its steps."""
+    committed = REPO / "docs" / "training" / docs
     recipe = parse_recipe(*recipe_text(name))
     assert name in shipped() and recipe.signal == signal
     meta = json.loads((committed / "run.json").read_text())
@@ -62,6 +66,7 @@ def test_a_shipped_recipe_is_its_committed_run(name, signal, out):
     for i, _ in enumerate(recipe.phases):
         folder = committed / recipe.phase_dir(i)
         ran = _leaves(json.loads((folder / "settings.json").read_text()))
+        ran[("train", "resume")] = None
         ours = _leaves(phase_settings(recipe, i, out=Path(out), seed=meta["seed"], previous=previous,
                                       threads=ran[("policy", "n_threads")]).model_dump(mode="json"))
         assert ran == ours, f"phase {i + 1}: {({k: (ran.get(k), ours.get(k)) for k in ran.keys() | ours.keys() if ran.get(k) != ours.get(k)})}"
@@ -94,7 +99,7 @@ def test_dry_run_prints_every_phase_and_trains_nothing(tmp_path):
     (["--lora-rank", "4"], "add --lora"),
     (["--recipe", "three-phase", "--lr", "1"], "the recipe sets it"),
     (["--recipe", "three-phase", "--config", "x.yaml"], "--config"),
-    (["--recipe", "no-such-recipe"], "shipped recipes are reward-only, three-phase"),
+    (["--recipe", "no-such-recipe"], "shipped recipes are outcome-baseline, reward-only, three-phase"),
 ])
 def test_train_refuses_what_does_nothing_for_it(tmp_path, argv, says):
     (tmp_path / "x.yaml").write_text("train: {lr: 0.1}\n")

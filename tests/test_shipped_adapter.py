@@ -28,7 +28,10 @@ def test_a_built_wheel_holds_the_shipped_adapter_and_recipe(tmp_path):
     for name in trained.names():
         for file in ("adapter.gguf", "adapter_config.json", "adapter_model.safetensors"):
             assert f"blackjack_rl/trained/{name}/{file}" in names
-    for name in ("reward-only", "three-phase", "whole-game"):
+    from blackjack_rl.train.recipe import shipped
+
+    assert {"outcome-baseline", "reward-only", "three-phase", "whole-game"} <= set(shipped())
+    for name in shipped():
         assert f"blackjack_rl/train/recipes/{name}.yaml" in names
     assert {"three-phase", "whole-game"} <= set(trained.names())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,16 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def _value_references(ax: Any) -> None:
+    """The optimal policy's and always-stick's exact values (default rules), as the charts' value
+    is read against them."""
+    from blackjack_rl.game.solver import baselines
+
+    ref = baselines()
+    ax.axhline(ref["optimal"].value, color="gray", linestyle="--", linewidth=1, label="optimal")
+    ax.axhline(ref["always_stick"].value, color="gray", linestyle=":", linewidth=1, label="always stick")
+
+
 def _grid_panels(axes: Any, grid: list[dict[str, Any]], steps: list[dict[str, Any]]) -> None:
     """The exact strategy chart over training: accuracy and value, and the hit gap whose
     shrinking is what collapse to one constant action looks like."""
@@ -29,8 +40,7 @@ def _grid_panels(axes: Any, grid: list[dict[str, Any]], steps: list[dict[str, An
     left.set_ylim(0, 1)
     twin = left.twinx()
     twin.plot(xs, [r["grid_value"] for r in grid], "s-", color="tab:purple", label="expected return")
-    twin.axhline(-0.0466, color="gray", linestyle="--", linewidth=1, label="optimal")
-    twin.axhline(-0.1864, color="gray", linestyle=":", linewidth=1, label="always stick")
+    _value_references(twin)
     left.set_title("exact strategy chart (no sampling)", fontsize=10)
     left.legend(loc="upper left", fontsize=8)
     twin.legend(loc="lower right", fontsize=8)
@@ -144,3 +154,130 @@ def plot_log(log_path: Path, png_path: Path, title: str = "") -> Path:
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return png_path
+
+
+@dataclass(frozen=True)
+class ChartPoint:
+    """One exact chart of a run, placed by the training minutes spent before it."""
+
+    minutes: float
+    step: int  # the step within its phase
+    phase: int  # 0-based index of the phase's log
+    accuracy: float
+    value: float
+
+
+def chart_curve(logs: list[Path], scale: float = 1.0) -> list[ChartPoint]:
+    """The exact charts of a run whose phases wrote `logs`, in order, on one axis of training
+    minutes: the sum of the steps' own seconds (sampling and update; the charts are not
+    counted), which a resumed phase does not reset as it does `elapsed`, times `scale`."""
+    points: list[ChartPoint] = []
+    spent = 0.0
+    for phase, log in enumerate(logs):
+        for row in _rows(log):
+            if row.get("kind") == "step":
+                spent += row["seconds"]
+            if row.get("grid_accuracy") is not None:
+                points.append(ChartPoint(scale * spent / 60, row["step"], phase, row["grid_accuracy"],
+                                         row["grid_value"]))
+    return points
+
+
+def phase_minutes(log: Path) -> tuple[int, float]:
+    """A phase's steps and training minutes."""
+    steps = [row for row in _rows(log) if row.get("kind") == "step"]
+    return len(steps), sum(row["seconds"] for row in steps) / 60
+
+
+def first_phase_scales(runs: dict[str, list[Path]]) -> dict[str, float]:
+    """Per run, the factor that puts its minutes on the first run's machine, measured on a first
+    phase the runs share (same settings and seed, so the same work): runs made on different
+    machines then compare at equal compute."""
+    reference = next(iter(runs.values()))
+    steps0, minutes0 = phase_minutes(reference[0])
+    scales = {}
+    for label, logs in runs.items():
+        steps, minutes = phase_minutes(logs[0])
+        if steps != steps0 or not minutes:
+            raise ValueError(f"{label}: its first phase has {steps} steps, the first run's {steps0}: "
+                             "calibrating needs the same first phase")
+        scales[label] = minutes0 / minutes
+    return scales
+
+
+def plot_chart_curves(runs: dict[str, list[Path]], png_path: Path, title: str = "",
+                      scales: dict[str, float] | None = None) -> Path:
+    """Runs side by side by training minutes (each times its `scales` entry): the exact chart's
+    accuracy and value, with the optimal and always-stick values for reference. Equal compute
+    reads off one vertical line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.9))
+    for label, logs in runs.items():
+        points = chart_curve(logs, (scales or {}).get(label, 1.0))
+        xs = [p.minutes for p in points]
+        left.plot(xs, [p.accuracy for p in points], "o-", markersize=3, label=label)
+        right.plot(xs, [p.value for p in points], "o-", markersize=3, label=label)
+    left.set_ylim(0, 1)
+    left.set_title("exact chart accuracy (by visits)", fontsize=10)
+    _value_references(right)
+    right.set_title("exact value of the chart at T = 1", fontsize=10)
+    for ax in (left, right):
+        ax.set_xlabel("training minutes (charts not counted)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
+
+
+def run_logs(folder: Path) -> list[Path]:
+    """A run's phase logs in order: a recipe run's NN-NAME/train_log.jsonl, or one training folder's log."""
+    logs = sorted(folder.glob("[0-9][0-9]-*/train_log.jsonl"))
+    if not logs and (folder / "train_log.jsonl").is_file():
+        logs = [folder / "train_log.jsonl"]
+    if not logs:
+        raise FileNotFoundError(f"{folder} holds no train_log.jsonl (a recipe run or a train --out folder)")
+    return logs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m blackjack_rl.train.plot --out PNG LABEL=RUN ...`: runs' exact charts side by side
+    by training minutes (how the docs compare recipes at equal compute)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m blackjack_rl.train.plot", description=main.__doc__)
+    parser.add_argument("runs", nargs="+", metavar="LABEL=RUN", help="a label and a recipe run or train --out folder")
+    parser.add_argument("--out", type=Path, required=True, metavar="PNG")
+    parser.add_argument("--title", default="")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="the runs share their first phase (same settings and seed) but ran on different "
+                             "machines: put every run's minutes on the first run's machine by that phase's time")
+    args = parser.parse_args(argv)
+    try:
+        runs = {}
+        for item in args.runs:
+            label, sep, folder = item.partition("=")
+            if not sep or not label or not folder:
+                raise ValueError(f"{item!r}: give each run as LABEL=FOLDER")
+            runs[label] = run_logs(Path(folder))
+        scales = first_phase_scales(runs) if args.calibrate else None
+        for label, factor in (scales or {}).items():
+            print(f"{label}: minutes x {factor:.4f}")
+        print(plot_chart_curves(runs, args.out, args.title, scales))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
