@@ -51,9 +51,9 @@ def test_the_command_draws_runs_and_refuses_bad_ones_in_one_line(tmp_path):
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for bad in (str(tmp_path / "a"), f"b={tmp_path / 'missing'}"):
-        out = subprocess.run([sys.executable, "-m", "blackjack_rl.train.plot", "--out", str(png), bad],
-                             capture_output=True, text=True)
+    for bad in (["--out", str(png), str(tmp_path / "a")], ["--out", str(png), f"b={tmp_path / 'missing'}"],
+                [f"a={tmp_path / 'a'}"]):
+        out = subprocess.run([sys.executable, "-m", "blackjack_rl.train.plot", *bad], capture_output=True, text=True)
         assert out.returncode == 2
         assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
 

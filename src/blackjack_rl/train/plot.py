@@ -251,10 +251,11 @@ def run_logs(folder: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     """`python -m blackjack_rl.train.plot --out PNG LABEL=RUN ...`: runs' exact charts side by side
     by training minutes (how the docs compare recipes at equal compute)."""
-    import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m blackjack_rl.train.plot", description=main.__doc__)
+    from blackjack_rl.cli_options import Parser
+
+    parser = Parser(prog="python -m blackjack_rl.train.plot", description=main.__doc__)
     parser.add_argument("runs", nargs="+", metavar="LABEL=RUN", help="a label and a recipe run or train --out folder")
     parser.add_argument("--out", type=Path, required=True, metavar="PNG")
     parser.add_argument("--title", default="")
