@@ -57,7 +57,7 @@ def test_user_errors_are_one_clear_line():
         assert "\n" not in str(error.value)
 
 
-def run(model, tokenizer, tmp_path, factory, dataset, every, steps=2):
+def run(model, tokenizer, tmp_path, factory, dataset, every, steps=2, keep=100):
     """GRPOTrainer on CPU (as tests/test_adapters_trl.py runs it), optionally with the callback;
     records what TRL generated for each batch, in rollout order: each rollout's env record,
     TRL's advantage and its prompt and completion ids."""
@@ -94,7 +94,7 @@ def run(model, tokenizer, tmp_path, factory, dataset, every, steps=2):
         trainer._generate_and_score_completions = recorded
         callback = None
         if every:
-            callback = FidelityCallback(trainer, every=every, out=tmp_path / "fidelity.jsonl")
+            callback = FidelityCallback(trainer, every=every, out=tmp_path / "fidelity.jsonl", keep=keep)
             trainer.add_callback(callback)
         trainer.train()
     finally:
@@ -113,16 +113,19 @@ def test_the_callback_scores_trls_own_advantages_of_the_rollouts_it_trained(smol
         factory, dataset = trl_environment(scoring="expected"), prompt_dataset(range(8))
     else:
         factory, dataset = trl_environment(first_seed=300, group_size=2, scoring="expected"), None
-    trainer, batches, callback = run(model, tokenizer, tmp_path, factory, dataset, every=1)
+    # without a dataset, memory keeps the newest reading only; the log and the file keep both
+    keep = 100 if with_dataset else 1
+    trainer, batches, callback = run(model, tokenizer, tmp_path, factory, dataset, every=1, keep=keep)
 
     assert trainer.state.global_step == 2 and len(batches) == 2
-    assert [r.step for r in callback.readings] == [1, 2]
+    assert [r.step for r in callback.readings] == [1, 2][-keep:]
     lines = [json.loads(line) for line in (tmp_path / "fidelity.jsonl").read_text().splitlines()]
     logged = [row for row in trainer.state.log_history if "fidelity/credits" in row]
     assert [row["step"] for row in lines] == [row["step"] for row in logged] == [1, 2]
     table = Table(Rules())
     chat = callback._chat
-    for reading, batch, line, row in zip(callback.readings, batches, lines, logged):
+    kept = len(callback.readings)
+    for reading, batch, line, row in zip(callback.readings, batches[-kept:], lines[-kept:], logged[-kept:]):
         # the rollouts scored are the ones TRL generated and trained, with TRL's own advantages
         assert [(r.seed, r.actions, r.advantage) for r in reading.rollouts] == \
             [(b["seed"], b["actions"], pytest.approx(b["advantage"])) for b in batch]

@@ -24,6 +24,7 @@ import json
 import math
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
@@ -145,15 +146,19 @@ class FidelityCallback(TrainerCallback):
     The reading runs after the step's backward pass and before its optimizer update, with
     gradients off, the model's mode and the random state put back: TRL trains the same numbers
     as without it. Each reading is appended to `trainer.state.log_history` (flat `fidelity/...`
-    keys) and, with `out`, to that JSONL file, with its forward tokens and seconds. With several
+    keys) and, with `out`, to that JSONL file, with its forward tokens and seconds; `readings` keeps
+    the newest `keep` of them in memory (each holds a batch's rollouts), so a long run does not
+    grow it. With several
     processes, the main one scores its own rollouts. `budget` and `target_width` size each
     Q^pi(h, hit) tree as `train --fidelity-every` does.
     """
 
     def __init__(self, trainer: Any, every: int = 10, *, out: str | Path | None = None,
-                 budget: int = PROBE_BUDGET, target_width: float = PROBE_WIDTH) -> None:
+                 budget: int = PROBE_BUDGET, target_width: float = PROBE_WIDTH, keep: int = 100) -> None:
         if not (isinstance(every, int) and every >= 1):
             raise ValueError(f"every must be a whole number of steps, at least 1, not {every!r}")
+        if not (isinstance(keep, int) and keep >= 1):
+            raise ValueError(f"keep must be a whole number of readings, at least 1, not {keep!r}")
         if getattr(trainer, "environment_factories", None) is None:
             raise ValueError("FidelityCallback needs a GRPOTrainer with environment_factory=BlackjackTRLEnv")
         if not all(hasattr(trainer, a) for a in ("_logs", "_buffered_inputs", "_get_tool_suffix_ids")):
@@ -163,7 +168,7 @@ class FidelityCallback(TrainerCallback):
         self.every = every
         self.out = Path(out) if out is not None else None
         self.budget, self.target_width = budget, target_width
-        self.readings: list[FidelityReading] = []
+        self.readings: deque[FidelityReading] = deque(maxlen=keep)
         self._due = every  # the first step whose new batch is scored
         self._seen: Any = None  # the generation batch last seen
         self._player: Player | None = None  # built at the first reading, from the batch's environments
