@@ -45,6 +45,18 @@ def embedded():
 
 
 @pytest.fixture(scope="session")
+def embedded_probe(embedded, solution):
+    """The embedded model's chart probe (its 280 opening prompts scored, ~2 minutes on 2 cores):
+    read once for every test that checks something against it, never changed by them."""
+    import asyncio
+
+    from blackjack_rl.measure.probe import probe_policy
+    from blackjack_rl.rollout.players import Player
+
+    return asyncio.run(probe_policy(Player(embedded, embedded.chat, solution)))
+
+
+@pytest.fixture(scope="session")
 def embedded_constrained():
     from blackjack_rl.policies.embedded import EmbeddedPolicy
     from blackjack_rl.policies.sampling import Sampling

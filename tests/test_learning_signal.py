@@ -316,9 +316,8 @@ def _monte_carlo(p_hit, chat, solution, n):
 
 @pytest.mark.embedded
 @pytest.mark.slow
-def test_grid_of_the_model_agrees_with_a_monte_carlo_of_its_policy(embedded, vocab_chat, solution):
-    player = Player(embedded, embedded.chat, solution)
-    probe = run(probe_policy(player))
+def test_grid_of_the_model_agrees_with_a_monte_carlo_of_its_policy(embedded, vocab_chat, solution, embedded_probe):
+    probe = embedded_probe
     assert set(probe.p_hit) == set(GRID_STATES)
     g = evaluate_grid(solution, probe.p_hit)
     assert 0.0 < g.p_hit_stick_optimal < 1.0 and 0.0 < g.p_hit_hit_optimal < 1.0  # a stochastic policy

@@ -12,7 +12,7 @@ import pytest
 from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text
 from blackjack_rl.game.solver import CARD_PROBS, after_hit, policy_outcome, solve, stick_outcome
 from blackjack_rl.game.table import Observation, Rules, Table
-from blackjack_rl.measure.probe import exact_game, exact_grid, history_ids, node_policy, probe_policy
+from blackjack_rl.measure.probe import exact_game, exact_grid, history_ids, node_policy
 from blackjack_rl.measure.tree import deals, evaluate_game, is_natural, most_decisions, outcome_bounds, outcome_range
 from blackjack_rl.policies.base import Reply
 from blackjack_rl.policies.bots import OptimalBot, RandomBot, ThresholdBot
@@ -281,9 +281,9 @@ def test_a_historys_prompt_is_the_episodes_own(vocab_chat, solution):
 
 @pytest.mark.embedded
 @pytest.mark.slow
-def test_the_models_whole_game_reads_its_first_decisions_as_the_probe(embedded, solution):
+def test_the_models_whole_game_reads_its_first_decisions_as_the_probe(embedded, solution, embedded_probe):
     player = Player(embedded, embedded.chat, solution)
-    probe = run(probe_policy(player))
+    probe = embedded_probe
     fresh = run(evaluate_game(solution, node_policy(player), budget=24, batch=24))
     assert fresh.max_depth == 0 and len(fresh.roots) == 24
     for obs, (p_hit, p_stick) in fresh.roots.items():
