@@ -90,12 +90,28 @@ def _rolling(values: list[float | None], window: int) -> list[float | None]:
     return out
 
 
-def plot_log(log_path: Path, png_path: Path, title: str = "") -> Path:
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file backend: the curves are written, never shown."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig: Any, png_path: Path, title: str) -> Path:
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    _pyplot().close(fig)
+    return png_path
+
+
+def plot_log(log_path: Path, png_path: Path, title: str = "") -> Path:
+    plt = _pyplot()
     steps, evals = read_log(log_path)
     grid = [r for r in _rows(log_path) if r.get("grid_accuracy") is not None]
     fidelity = [r for r in steps if r.get("fidelity")]
@@ -147,13 +163,7 @@ def plot_log(log_path: Path, png_path: Path, title: str = "") -> Path:
         _fidelity_panels(axes[-1], fidelity)
     for ax in axes[-1]:
         ax.set_xlabel("optimizer step")
-    if title:
-        fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return png_path
+    return _save(fig, png_path, title)
 
 
 @dataclass(frozen=True)
@@ -199,8 +209,8 @@ def first_phase_scales(runs: dict[str, list[Path]]) -> dict[str, float]:
     for label, logs in runs.items():
         steps, minutes = phase_minutes(logs[0])
         if steps != steps0 or not minutes:
-            raise ValueError(f"{label}: its first phase has {steps} steps, the first run's {steps0}: "
-                             "calibrating needs the same first phase")
+            raise ValueError(f"{label}: its first phase has {steps} steps ({minutes:.2f} minutes), the first run's "
+                             f"{steps0}: calibrating needs the same first phase, timed")
         scales[label] = minutes0 / minutes
     return scales
 
@@ -210,11 +220,7 @@ def plot_chart_curves(runs: dict[str, list[Path]], png_path: Path, title: str = 
     """Runs side by side by training minutes (each times its `scales` entry): the exact chart's
     accuracy and value, with the optimal and always-stick values for reference. Equal compute
     reads off one vertical line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.9))
     for label, logs in runs.items():
         points = chart_curve(logs, (scales or {}).get(label, 1.0))
@@ -229,13 +235,7 @@ def plot_chart_curves(runs: dict[str, list[Path]], png_path: Path, title: str = 
         ax.set_xlabel("training minutes (charts not counted)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return png_path
+    return _save(fig, png_path, title)
 
 
 def run_logs(folder: Path) -> list[Path]:
