@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -82,6 +82,32 @@ def hand_in_state(player_sum: int, usable_ace: bool, rng: random.Random) -> list
     return [a, player_sum - a]
 
 
+_DEALER_CARDS = 16  # the dealer's hole card and draws taken in one batch (he rarely needs 4); more are drawn if needed
+
+
+class _Cards:
+    """One role's stream for Gymnasium's `draw_card`, which asks `np_random.choice(deck)`: the
+    next of `n` cards drawn at once from `rng`, then one at a time from the same `rng`."""
+
+    __slots__ = ("rng", "cards", "next")
+
+    def __init__(self, rng: Any, n: int) -> None:
+        from gymnasium.envs.toy_text.blackjack import deck
+
+        # `choice(deck, size=n)` is `deck[integers(0, len(deck), size=n)]`; the index array is
+        # half its cost (tests/test_reward_only.py holds the cards to Gymnasium's own draws)
+        self.rng, self.next = rng, 0
+        self.cards = [deck[i] for i in rng.integers(0, len(deck), size=n).tolist()]
+
+    def choice(self, _deck: object) -> int:
+        if self.next == len(self.cards):
+            from gymnasium.envs.toy_text.blackjack import deck
+
+            self.cards.append(int(self.rng.choice(deck)))
+        self.next += 1
+        return self.cards[self.next - 1]
+
+
 class Table:
     """One reusable Blackjack-v1 env. `reset(seed)` fixes the deal and every later draw."""
 
@@ -137,26 +163,32 @@ class Table:
         of those hits, and whether the last hit busted.
 
         Each is what `resume(seed)`, that many hits and a stick give, and Gymnasium pays every
-        reward, but the streams are resumed once: the player's stream is only read further, and
-        the dealer plays his hand once, since his cards do not depend on the player's. A later
-        stick meets his finished hand (17 or more), so Gymnasium draws nothing and only scores it.
+        reward, but on one pass: each role's cards are drawn in one call (a Generator's batch
+        is the same sequence as its draws one by one), the dealer plays his hand once, since
+        his cards do not depend on the player's, and a later stick meets his finished hand (17
+        or more), so Gymnasium draws nothing and only scores it. Rollout credit plays hundreds of
+        these per decision, so this is the reward-only trainer's inner loop.
         """
-        self.resume(player_hand, dealer_card, seed)
-        start = list(self._env.dealer)
-        hand, dealer = list(player_hand), start
+        import numpy as np  # Gymnasium's own dependency
+
+        player_cards, dealer_cards = (_Cards(np.random.default_rng([*seed, role]), n)
+                                      for role, n in ((0, max_hits), (1, _DEALER_CARDS)))
+        env = self._env
+        env.player, env.dealer = list(player_hand), [int(dealer_card), dealer_cards.choice(None)]
+        env.np_random, self._streams, self._done = dealer_cards, None, True
+        rewards = [float(env.step(STICK)[1])]  # Gymnasium plays the dealer out and pays
+        dealer = env.dealer
+        hand = list(player_hand)
         hands: list[Observation] = []
-        rewards: list[float] = []
-        for hits in range(max_hits + 1):
-            if hits:
-                self._env.player, self._env.dealer, self._done = list(hand), list(start), False
-                step = self.step(HIT)
-                hand = list(self._env.player)
-                if step.terminated:
-                    return hands, rewards, True
-                hands.append(step.observation)
-            self._env.player, self._env.dealer, self._done = list(hand), list(dealer), False
-            rewards.append(self.step(STICK).reward)
-            dealer = list(self._env.dealer)
+        env.np_random = player_cards
+        for _ in range(max_hits):
+            env.player, env.dealer = hand, list(dealer)
+            obs, _, terminated, *_ = env.step(HIT)
+            if terminated:
+                return hands, rewards, True
+            hands.append(Observation(int(obs[0]), int(obs[1]), bool(obs[2])))
+            rewards.append(float(env.step(STICK)[1]))  # the finished dealer: scored, nothing drawn
+            hand = env.player
         return hands, rewards, False
 
     def step(self, action: int) -> TableStep:

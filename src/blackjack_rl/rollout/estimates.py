@@ -123,16 +123,20 @@ async def estimate_q(player: Player, memo: CallMemo, prompt: Sequence[int], hand
     hit_ids = player.chat.answer_ids(tool_call_text(HIT))
     prompts: dict[tuple[Observation, ...], list[int]] = {}
     chart = continuation == "chart"
+    openings: dict[Observation, list[int]] = {}  # a chart prompt is rendered once per hand, not once per path
     for path in paths:
         ids = list(prompt)
         for depth, obs in enumerate(path.hands, start=1):
             if decision + depth >= player.settings.max_turns:
                 break  # the turn limit ends the game after this hit: no prompt is asked
+            history = path.hands[:depth]
+            if history in prompts and chart:
+                continue
             if chart:
-                ids = _opening_ids(player, obs)
+                ids = openings.get(obs) or openings.setdefault(obs, _opening_ids(player, obs))
             else:
                 ids = [*ids, *hit_ids, *player.chat.next_turn_ids(observation_text(*obs))]
-            prompts.setdefault(path.hands[:depth], ids)
+            prompts.setdefault(history, ids)
     keys = list(prompts)
     probs = dict(zip(keys, await _call_probabilities(player, memo, [prompts[h] for h in keys], [h[-1] for h in keys])))
     settings = player.settings
