@@ -184,3 +184,36 @@ def test_what_cannot_fold_is_one_clear_error(adapter, work):
     with pytest.raises(ValueError, match="only plain LoRA"):
         fold_lora_gguf(dora, None, work / "never.gguf")
     assert not (work / "never.gguf").exists()
+
+
+def test_lora_fold_plays_the_cached_fold_and_every_page_names_it(prompts, folded, fold_reading, cache, tmp_path):
+    """`--lora three-phase --lora-fold f16` loads the fold `folded_gguf` keeps (the same readings as
+    that file loaded directly), records the adapter and the fold, and the report's title says both."""
+    from blackjack_rl.config import Settings
+    from blackjack_rl.contract.tokens import EMBEDDED_GGUF_NAME
+    from blackjack_rl.policies import make_policy
+    from blackjack_rl.report.modes import policy_name
+
+    settings = Settings.model_validate({"policy": {"lora": "three-phase", "lora_fold": "f16", "n_threads": 1,
+                                                   "n_ctx": 1024}})
+    policy = make_policy(settings).policy
+    try:
+        ids, calls = prompts
+        reading = np.array([policy.score_answers(p, calls, 1.0, same_kernels=False) for p in ids])
+        params = policy.generation_params()
+    finally:
+        policy._worker.shutdown(wait=True)
+        policy.llama.close()
+    assert np.array_equal(reading, fold_reading)
+    assert params["lora"] == "three-phase" and params["lora_fold"] == "f16"
+    assert params["model"] == EMBEDDED_GGUF_NAME  # the base it was folded over, not the cache file
+    assert policy_name(params) == f"{EMBEDDED_GGUF_NAME} + LoRA three-phase (folded, f16)"
+    assert [p.name for p in (cache / "blackjack-rl" / "folded").glob("*.gguf")] == [folded.name]  # no second fold
+
+    from helpers import run_cli
+
+    for argv, says in ((["--lora-fold", "f16"], "without --lora"),
+                       (["--lora", "three-phase", "--lora-fold", "q4_1"], "--lora-fold"),
+                       (["--policy", "optimal", "--lora", "three-phase", "--lora-fold", "f16"], "--lora")):
+        run = run_cli("evaluate", *argv, "--episodes", "1", "--out", str(tmp_path / "o"), cwd=tmp_path)
+        assert run.returncode == 2 and says in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr

@@ -244,7 +244,7 @@ def _versus_base(settings, args: argparse.Namespace, console: Console) -> int:
         raise ValueError("--versus-base compares a model with an adapter against the model alone: add --lora "
                          "NAME_OR_PATH (e.g. --lora three-phase)")
     out = Path(settings.out)
-    base = settings.model_copy(update={"out": out / "base", "policy": settings.policy.model_copy(update={"lora": None})})
+    base = settings.model_copy(update={"out": out / "base", "policy": settings.policy.model_copy(update={"lora": None, "lora_fold": None})})
     adapter = settings.model_copy(update={"out": out / "adapter"})
     failed = []
     compared = run_versus([base, adapter], out, lambda s: failed.append(_evaluate(s, args).episodes_failed))

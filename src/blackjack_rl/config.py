@@ -121,6 +121,11 @@ class PolicyConfig(_Section):
                                               "one by name (three-phase: the trained model), a .gguf adapter, or a "
                                               "folder saved by `train --lora` (converted on load)",
                              json_schema_extra={"metavar": "NAME_OR_PATH"})
+    lora_fold: Literal["f16", "q8_0"] | None = Field(
+        None, description="embedded, with --lora: fold the adapter into the model's weights once (cached in "
+                          "~/.cache/blackjack-rl/folded), stored as TYPE, instead of applying it at every token: "
+                          "faster, with probabilities that differ slightly (docs/inference.md)",
+        json_schema_extra={"metavar": "TYPE"})
     n_ctx: int | None = Field(None, ge=256, description="llama.cpp context (default: the episode token budget)")
     max_batch: int = Field(64, ge=1, description="hf: answers sampled in one batched forward (the turns of "
                                                  "concurrent episodes and a group's answers batch up to it)")

@@ -66,8 +66,9 @@ def make_policy(settings: Settings) -> BuiltPolicy:
             sampling=sampling,
             n_ctx=p.n_ctx or settings.episode.max_token_length,
             n_threads=p.n_threads,
-            lora_path=lora_file(p.lora) if p.lora else None,
+            lora_path=lora_file(p.lora) if p.lora and not p.lora_fold else None,
             lora_name=p.lora,
+            lora_fold=p.lora_fold,
             constrained=p.constrained,
         )
         return BuiltPolicy(policy, policy.chat)
@@ -120,6 +121,9 @@ def check_supported(p: PolicyConfig) -> None:
     if kind != "hf" and p.max_batch != defaults["max_batch"].default:
         raise ValueError(f"--max-batch is how many answers the torch policy samples in one forward; --policy {kind} "
                          "does not batch that way: drop it, or use --policy hf")
+    if p.lora_fold and not p.lora:
+        raise ValueError("--lora-fold folds the --lora adapter into the model's weights; without --lora it has "
+                         "nothing to fold: add --lora NAME_OR_PATH or drop it")
     if p.lora and kind != "embedded":
         raise ValueError("--lora applies an adapter to the embedded llama.cpp model; for --policy hf pass the "
                          "adapter folder as --model-path")

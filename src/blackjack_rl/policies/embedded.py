@@ -51,6 +51,7 @@ class EmbeddedPolicy:
         constrained: bool = False,
         lora_path: str | Path | None = None,
         lora_name: str | None = None,
+        lora_fold: str | None = None,
         parallel: int = PARALLEL,
     ) -> None:
         self.model_path = Path(model_path) if model_path else embedded_model_path()
@@ -59,8 +60,18 @@ class EmbeddedPolicy:
         self.sampling = sampling
         self.temperature, self.max_tokens = sampling.temperature, sampling.max_tokens
         self.constrained = constrained
+        # the adapter as the user named it (a path, or a shipped adapter's name): runs record it
+        self.lora = lora_name or (str(lora_path) if lora_path else None)
+        if lora_fold and not self.lora:
+            raise ValueError("lora_fold folds an adapter: name one (lora_name or lora_path)")
+        load_path = self.model_path
+        if lora_fold:  # the adapter folded into the weights once: no run-time adapter products
+            from blackjack_rl.policies.gguf_fold import folded_gguf
+
+            load_path, lora_path = folded_gguf(self.lora, self.model_path, lora_fold), None
+        self.lora_fold = lora_fold
         self.llama = load_llama(
-            model_path=str(self.model_path),
+            model_path=str(load_path),
             n_ctx=n_ctx,
             n_threads=n_threads or usable_cpus(),
             n_threads_batch=n_threads or usable_cpus(),
@@ -68,9 +79,8 @@ class EmbeddedPolicy:
             logits_all=True,  # logprobs of sampled tokens need the logits of every position
             verbose=False,
         )
-        # the adapter as the user named it (a path, or a shipped adapter's name): runs record it
-        self.lora = (lora_name or str(lora_path)) if lora_path else None
-        self.name = self.model_path.stem + (f"+{Path(self.lora).name}" if self.lora else "")
+        self.name = self.model_path.stem + (f"+{Path(self.lora).name}" if self.lora else "") \
+            + (f" (folded, {lora_fold})" if lora_fold else "")
         self.tokenizer = LlamaCppTokenizer(self.llama, self.model_path.name)
         self.chat = ChatFormat.learn(self.tokenizer)
         self._pieces: dict[int, str] = {}
@@ -99,6 +109,7 @@ class EmbeddedPolicy:
             "policy": "embedded",
             "model": self.model_path.name,
             "lora": self.lora,
+            "lora_fold": self.lora_fold,
             "temperature": self.temperature,
             "top_p": self.sampling.top_p,
             "top_k": self.sampling.top_k,

@@ -13,7 +13,10 @@ SCRIPTED = ("optimal", "random", "always_stick", "")  # bots name themselves; th
 def policy_name(params: dict[str, Any]) -> str:
     """Who played, as every table and page titles it: the model, and the adapter it played with."""
     name = str(params.get("model") or params.get("policy") or "unknown policy")
-    return f"{name} + LoRA {params['lora']}" if params.get("lora") else name
+    if not params.get("lora"):
+        return name
+    fold = f" (folded, {params['lora_fold']})" if params.get("lora_fold") else ""
+    return f"{name} + LoRA {params['lora']}{fold}"
 
 
 def decoding_mode(params: dict[str, Any]) -> dict[str, str]:

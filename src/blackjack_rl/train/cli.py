@@ -30,6 +30,7 @@ REFUSED = {
     "--constrained": "constrained decoding changes the sampled distribution, so training never samples with it",
     "--threshold": "it sets the threshold bot, which does not train",
     "--n-ctx": "it sizes llama.cpp's context, and train runs the model in torch",
+    "--lora-fold": "it folds an adapter into the llama.cpp model that plays, and train runs the model in torch",
     **{flag: _SERVER for flag in ("--base-url", "--model", "--api-key", "--tokenizer", "--timeout", "--retries",
                                   "--native-tools", "--structured-output", "--server", "--server-api", "--token-path",
                                   "--server-concurrency", "--no-sticky")},
