@@ -109,14 +109,18 @@ def test_fidelity_errors_are_one_line(tmp_path):
 
 @pytest.mark.embedded
 def test_fidelity_reads_the_credit_of_reward_only_groups(tmp_path):
-    """Groups written by `process --credit step-rollouts` with the embedded model, scored with it."""
+    """Groups written by `process --credit step-rollouts` with the embedded model, scored with it. The
+    continuation is the reward-only recipe's (the chart: 280 opening prompts that share the system
+    prompt's cache, where each history prompt is new), at first decisions: those after a hit are placed by
+    the history they carry in the test below, with a bot whose trees cost nothing."""
     out = tmp_path / "rollouts"
     run_cli("process", "--credit", "step-rollouts", "--group-size", "0", "--rollouts", "4", "--starts", "uniform",
-            "--groups", "4", "--seed", "1", "--quiet", "--out", str(out), check=True, cwd=tmp_path, timeout=900)
+            "--rollout-continuation", "chart", "--decisions", "first", "--groups", "4", "--seed", "1", "--quiet",
+            "--out", str(out), check=True, cwd=tmp_path, timeout=900)
     run = run_cli("fidelity", str(out / "groups.jsonl"), "--out", str(out), cwd=tmp_path, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     doc = json.loads((out / "fidelity.json").read_text())
-    assert doc["scores"]["all"]["decisions"] >= 8  # both calls of each of at least four decisions
+    assert doc["scores"]["all"]["decisions"] == 8  # both calls of each of the four decisions
     assert doc["policy"]["policy"] == "embedded"
 
 
