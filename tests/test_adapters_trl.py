@@ -201,7 +201,7 @@ def run_grpo(model, tokenizer, tmp_path, factory, dataset, steps=2):
         gradient_checkpointing=False,  # TRL 1.x turns it on, and generation then runs without its KV cache
     )
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # on a shared 2-core machine one thread is faster than two contended ones
+    torch.set_num_threads(2)  # the tests run one at a time: prefilling the ~400-token prompts is most of it
     try:
         trainer = GRPOTrainer(model=model, processing_class=tool_chat_tokenizer(tokenizer), train_dataset=dataset,
                               environment_factory=Recorded, reward_funcs=[record], args=args)
