@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from blackjack_rl.config import Settings
 from blackjack_rl.train.recipe import parse_recipe, phase_settings, recipe_text, shipped
 from helpers import poll_until, popen_cli, run_cli
 
@@ -26,6 +27,9 @@ def _leaves(tree: dict, at: tuple = ()) -> dict:
     for k, v in tree.items():
         out.update(_leaves(v, (*at, k)) if isinstance(v, dict) else {(*at, k): v})
     return out
+
+
+DEFAULTS = _leaves(Settings().model_dump(mode="json"))
 
 
 def test_the_shipped_three_phase_recipe_is_the_committed_run():
@@ -69,6 +73,10 @@ def test_a_shipped_recipe_is_its_committed_run(name, signal, out, docs):
         ran[("train", "resume")] = None
         ours = _leaves(phase_settings(recipe, i, out=Path(out), seed=meta["seed"], previous=previous,
                                       threads=ran[("policy", "n_threads")]).model_dump(mode="json"))
+        # a setting added since the run was made, at its default, changes nothing the run did
+        added = ours.keys() - ran.keys()
+        assert all(ours[k] == DEFAULTS[k] for k in added), {k: ours[k] for k in added}
+        ran.update({k: ours[k] for k in added})
         assert ran == ours, f"phase {i + 1}: {({k: (ran.get(k), ours.get(k)) for k in ran.keys() | ours.keys() if ran.get(k) != ours.get(k)})}"
         steps = [r["step"] for r in _rows(folder / "train_log.jsonl") if r.get("kind") == "step"]
         assert steps == list(range(1, recipe.phases[i].steps + 1))
