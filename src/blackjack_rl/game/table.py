@@ -89,21 +89,19 @@ class _Cards:
     """One role's stream for Gymnasium's `draw_card`, which asks `np_random.choice(deck)`: the
     next of `n` cards drawn at once from `rng`, then one at a time from the same `rng`."""
 
-    __slots__ = ("rng", "cards", "next")
+    __slots__ = ("rng", "deck", "cards", "next")
 
     def __init__(self, rng: Any, n: int) -> None:
         from gymnasium.envs.toy_text.blackjack import deck
 
         # `choice(deck, size=n)` is `deck[integers(0, len(deck), size=n)]`; the index array is
         # half its cost (tests/test_reward_only.py holds the cards to Gymnasium's own draws)
-        self.rng, self.next = rng, 0
+        self.rng, self.deck, self.next = rng, deck, 0
         self.cards = [deck[i] for i in rng.integers(0, len(deck), size=n).tolist()]
 
     def choice(self, _deck: object) -> int:
         if self.next == len(self.cards):
-            from gymnasium.envs.toy_text.blackjack import deck
-
-            self.cards.append(int(self.rng.choice(deck)))
+            self.cards.append(int(self.rng.choice(self.deck)))
         self.next += 1
         return self.cards[self.next - 1]
 

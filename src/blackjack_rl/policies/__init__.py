@@ -66,7 +66,7 @@ def make_policy(settings: Settings) -> BuiltPolicy:
             sampling=sampling,
             n_ctx=p.n_ctx or settings.episode.max_token_length,
             n_threads=p.n_threads,
-            lora_path=lora_file(p.lora) if p.lora and not p.lora_fold else None,
+            lora_path=lora_file(p.lora) if p.lora else None,  # with lora_fold, the policy folds it instead
             lora_name=p.lora,
             lora_fold=p.lora_fold,
             constrained=p.constrained,
