@@ -198,7 +198,8 @@ NEEDS = {"--starts": ["--credit", "step"], "--decisions": ["--credit", "step"], 
          "--rollout-refresh": ["--credit", "step-rollouts", "--rollout-continuation", "chart"],
          "--forced-weight": ["--credit", "step-counterfactual"],
          "--format-credit": ["--credit", "step-counterfactual"],
-         "--balance-by": ["--credit", "step-counterfactual", "--balance-actions"]}
+         "--balance-by": ["--credit", "step-counterfactual", "--balance-actions"],
+         "--init-adapter": ["--lora"], "--base-adapter": ["--lora"]}
 # The positional arguments a command needs besides its flags.
 POSITIONAL = {"compare": ["runs/a", "runs/b"], "fidelity": ["groups.jsonl"]}
 

@@ -382,10 +382,11 @@ def test_per_token_credit_moves_the_decision_and_not_the_format(tiny_model_dir):
 def test_a_resumed_run_takes_the_same_next_step(tiny_model_dir, tmp_path):
     common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "3", "--credit",
               "step-counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "0",
-              "--save-every", "1", "--threads", "1", "--lr", "1e-3", "--seed", "5", "--warmup-steps", "4"]
-    whole = run_cli("train", *common, "--steps", "2", "--out", str(tmp_path / "whole"), cwd=tmp_path)
+              "--save-every", "1", "--threads", "1", "--lr", "1e-3", "--seed", "5", "--warmup-steps", "4",
+              "--decay-steps", "2"]
+    whole = run_cli("train", *common, "--steps", "3", "--out", str(tmp_path / "whole"), cwd=tmp_path)
     assert whole.returncode == 0, whole.stdout + whole.stderr
-    resumed = run_cli("train", *common, "--steps", "2", "--resume", str(tmp_path / "whole" / "checkpoints" / "step_0001"),
+    resumed = run_cli("train", *common, "--steps", "3", "--resume", str(tmp_path / "whole" / "checkpoints" / "step_0001"),
                    "--out", str(tmp_path / "resumed"), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout
@@ -398,9 +399,13 @@ def test_a_resumed_run_takes_the_same_next_step(tiny_model_dir, tmp_path):
     for key in ("mean_score", "trained_groups", "sequences", "sampled_tokens"):
         assert a[key] == b[key], key
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
-    # the warm-up goes on where it stopped: step 2 of 4 runs at half the learning rate
-    first = [r for r in step_rows(tmp_path / "whole") if r["kind"] == "step" and r["step"] == 1][0]
-    assert first["lr"] == pytest.approx(0.25e-3) and a["lr"] == b["lr"] == pytest.approx(0.5e-3)
+    # the warm-up goes on where it stopped: step 2 of 4 runs at half the learning rate; the decay
+    # over the last 2 of 3 steps takes the last one to a third, below the warm-up's 3/4
+    def lr(path, step):
+        return [r for r in step_rows(path) if r["kind"] == "step" and r["step"] == step][0]["lr"]
+
+    assert lr(tmp_path / "whole", 1) == pytest.approx(0.25e-3) and a["lr"] == b["lr"] == pytest.approx(0.5e-3)
+    assert lr(tmp_path / "whole", 3) == lr(tmp_path / "resumed", 3) == pytest.approx(1e-3 / 3)
     from safetensors.torch import load_file
 
     wa = load_file(str(tmp_path / "whole" / "model" / "model.safetensors"))

@@ -336,6 +336,10 @@ class EvalConfig(_Section):
     grid: bool = Field(False, description="also the exact strategy chart: P(hit) in all 280 states from the policy's "
                                           "probabilities, its exact expected return, accuracy and regret (embedded, hf "
                                           "and bots; in metrics.json and report.html)")
+    game_budget: int | None = Field(None, ge=0, le=1_000_000, description="with --grid, and for `grid`: histories of "
+                                                                        "the whole game read after the chart (default "
+                                                                        "1000 for a model, every one for a bot; 0: "
+                                                                        "the chart alone, without the whole game)")
 
 
 class ProcessConfig(_Section):
@@ -401,6 +405,10 @@ class TrainConfig(_Section):
                                                             "(a fresh Adam's first steps are full-size in every "
                                                             "parameter; warm-up keeps them small while it learns "
                                                             "the gradients' sizes)")
+    decay_steps: int = Field(0, ge=0, le=100_000, description="lower the learning rate linearly over the last N of "
+                                                           "--steps, to 1/(N+1) of it at the last (warm-up, "
+                                                           "stable, decay: the last steps settle where a constant "
+                                                           "rate keeps the policy swinging)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2: how long it remembers gradient sizes "
                                                              "(0.9: ~10 steps; lower it when one credit fades and "
@@ -461,6 +469,18 @@ class TrainConfig(_Section):
         if self.skip_certain and self.kl_coef:
             raise ValueError("--skip-certain drops tokens from the policy-gradient loss, but the KL term of "
                              "--kl-coef needs every token: use one or the other")
+        return self
+
+    @model_validator(mode="after")
+    def _saved_adapters_need_lora(self) -> "TrainConfig":
+        """Refused here, before a model is loaded, rather than after it (seconds to minutes)."""
+        if self.base_adapter is not None and not self.lora:
+            raise ValueError("--base-adapter trains a fresh LoRA adapter over a saved one: it needs --lora")
+        if self.init_adapter is not None and not self.lora:
+            raise ValueError("--init-adapter starts LoRA adapters from a saved one: it needs --lora")
+        if self.base_adapter is not None and self.init_adapter is not None:
+            raise ValueError("use one of --base-adapter (a fresh adapter over a saved one) and --init-adapter "
+                             "(continue a saved adapter)")
         return self
 
 

@@ -133,9 +133,13 @@ def make_reference(model: Any, settings: Settings) -> Callable | None:
     )
 
 
-def learning_rate(step: int, lr: float, warmup_steps: int) -> float:
-    """The learning rate of optimizer step `step` (1-based): linear warm-up, then constant."""
-    return lr * min(1.0, step / warmup_steps) if warmup_steps else lr
+def learning_rate(step: int, lr: float, warmup_steps: int, decay_steps: int = 0, steps: int = 0) -> float:
+    """The learning rate of optimizer step `step` (1-based, of `steps`): linear warm-up, constant, then a
+    linear decay over the last `decay_steps` that never reaches zero (a step at rate 0 would be spent)."""
+    warm = min(1.0, step / warmup_steps) if warmup_steps else 1.0
+    left = steps - step + 1  # this step and those after it
+    decay = min(1.0, left / (decay_steps + 1)) if decay_steps else 1.0
+    return lr * min(warm, decay)
 
 
 class Trainer:
@@ -207,12 +211,7 @@ class Trainer:
     def _trainable_model(self) -> Any:
         t = self.t
         model = self.policy.model
-        if t.base_adapter is not None:
-            if not t.lora:
-                raise ValueError("--base-adapter trains a fresh LoRA adapter over a saved one: it needs --lora")
-            if t.init_adapter is not None:
-                raise ValueError("use one of --base-adapter (a fresh adapter over a saved one) and --init-adapter "
-                                 "(continue a saved adapter)")
+        if t.base_adapter is not None:  # with --lora and no --init-adapter (TrainConfig)
             model = fold_adapter(model, t.base_adapter, self.base)
             self.progress(f"a fresh LoRA adapter trains over {t.base_adapter}")
         model = make_trainable(model, self.settings)
@@ -284,7 +283,7 @@ class Trainer:
             self.measuring += row["fidelity_seconds"]
             self.progress(fidelity_line(row))
         for param_group in self.optimizer.param_groups:
-            param_group["lr"] = learning_rate(step, t.lr, t.warmup_steps)
+            param_group["lr"] = learning_rate(step, t.lr, t.warmup_steps, t.decay_steps, t.steps)
         row["lr"] = self.optimizer.param_groups[0]["lr"]
         row.update(optimize(self.model, self.optimizer, self.params, groups, self.loss_config, self.settings,
                             self.reference, self.first_layer, states))
