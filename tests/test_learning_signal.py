@@ -397,6 +397,32 @@ def test_grid_command_writes_the_exact_numbers_and_a_chart(tmp_path):
     assert len(bad.stderr.strip().splitlines()) == 1 and "'nonexistent-dir'" in bad.stderr, bad.stderr
 
 
+def test_a_game_budget_of_zero_reads_the_chart_alone(tmp_path):
+    """`--game-budget 0` skips the whole-game tree (minutes for a trained model) and nothing claims
+    its numbers; the option without --grid does nothing for `evaluate`, so it is refused."""
+    import json
+
+    chart = run_cli("grid", "--policy", "threshold", "--threshold", "17", "--game-budget", "0",
+                    "--out", str(tmp_path / "g"), cwd=tmp_path)
+    assert chart.returncode == 0, chart.stdout + chart.stderr
+    g = json.loads((tmp_path / "g" / "grid.json").read_text())
+    assert g["whole_game"] is None
+    assert abs(g["value"] - policy_outcome(Rules(), lambda s, d, u, n: float(s < 17)).value) < 1e-12
+    assert "whole game" not in chart.stdout and 'id="whole-game"' not in (tmp_path / "g" / "grid.html").read_text()
+    full = run_cli("grid", "--policy", "threshold", "--threshold", "17", "--out", str(tmp_path / "f"), cwd=tmp_path)
+    assert "whole game" in full.stdout and 'id="whole-game"' in (tmp_path / "f" / "grid.html").read_text()
+
+    evaluated = run_cli("evaluate", "--policy", "optimal", "--episodes", "20", "--grid", "--game-budget", "0",
+                        "--quiet", "--out", str(tmp_path / "e"), cwd=tmp_path)
+    assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
+    metrics = json.loads((tmp_path / "e" / "metrics.json").read_text())
+    assert metrics["grid"]["accuracy"] == 1.0 and metrics["grid"]["whole_game"] is None
+    bad = run_cli("evaluate", "--policy", "optimal", "--episodes", "20", "--game-budget", "0",
+                  "--out", str(tmp_path / "x"), cwd=tmp_path)
+    assert bad.returncode == 2 and "add --grid" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "x").exists()
+
+
 def test_evaluate_grid_puts_the_chart_in_metrics_and_report(tmp_path):
     import json
 

@@ -38,7 +38,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "solve": ("game.natural", "game.sab"),
     "process": (*PLAY, "process", "groups", *SHARDS),
     "evaluate": (*PLAY, "evaluate", *SHARDS),
-    "grid": PLAY,
+    "grid": (*PLAY, "evaluate.game_budget"),
     "serve": (*PLAY, "groups", "serve", "ray.address", "ray.workers", "ray.cpus", "ray.max_restarts"),
     "train": TRAIN_SETTINGS,
     "fidelity": ("out", "policy", "episode.invalid_score", "episode.max_token_length", "game"),
@@ -216,6 +216,8 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     from blackjack_rl.report.console import print_metrics
 
     settings = settings_from_args(args)
+    if settings.evaluate.game_budget is not None and not settings.evaluate.grid:
+        raise ValueError("--game-budget sizes the whole game that --grid reads after the chart: add --grid")
     if settings.evaluate.versus_base:
         return _versus_base(settings, args, console)
     metrics = _evaluate(settings, args)
@@ -263,13 +265,15 @@ def _cmd_grid(args: argparse.Namespace, console: Console) -> int:
     from blackjack_rl.report.console import game_line
 
     settings = settings_from_args(args)
-    run = _with_player(settings, lambda player: run_grid(Path(settings.out), player))
+    run = _with_player(settings, lambda player: run_grid(Path(settings.out), player,
+                                                         game_budget=settings.evaluate.game_budget))
     g = run.grid
     console.print(f"exact value {g.value:+.4f} (optimal {g.optimal_value:+.4f}, regret {g.regret:.4f}); "
                   f"accuracy {100 * g.accuracy:.1f}% by visits, {100 * g.cell_accuracy:.1f}% by cell; "
                   f"P(hit) {g.p_hit_hit_optimal:.2f} where hit is optimal, {g.p_hit_stick_optimal:.2f} where stick is "
                   f"({run.seconds:.1f}s).")
-    console.print(escape(game_line(run.game)))
+    if run.game is not None:
+        console.print(escape(game_line(run.game)))
     console.print(f"Chart in [bold]{run.page}[/bold]")
     return 0
 

@@ -41,7 +41,7 @@ async def run_evaluate(settings: Settings, player: Player, progress: bool = True
     if settings.evaluate.grid:
         from blackjack_rl.measure.probe import exact_grid
 
-        metrics.grid = await exact_grid(player)
+        metrics.grid = await exact_grid(player, settings.evaluate.game_budget)
     try:
         metrics_text = json.dumps(metrics.to_json(), indent=2, allow_nan=False) + "\n"
     except ValueError:

@@ -90,7 +90,8 @@ def _check_scores(policy: Any) -> None:
 
 async def exact_grid(player: Player, game_budget: int | None = None) -> dict[str, Any]:
     """The exact chart numbers of a policy, as recorded in metrics.json (`evaluate --grid`), with
-    the whole-game numbers under "whole_game" (`exact_game`; its first decisions are this chart's)."""
+    the whole-game numbers under "whole_game" (`exact_game`; its first decisions are this chart's),
+    None for a `game_budget` of 0."""
     from blackjack_rl.measure.grid import evaluate_grid
 
     t0 = time.perf_counter()
@@ -100,7 +101,7 @@ async def exact_grid(player: Player, game_budget: int | None = None) -> dict[str
         **g.to_dict(),
         "temperature": probe.temperature,
         "p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None,
-        "whole_game": await exact_game(player, game_budget, probe=probe),
+        "whole_game": None if game_budget == 0 else await exact_game(player, game_budget, probe=probe),
         "seconds": time.perf_counter() - t0,
     }
 
