@@ -36,16 +36,14 @@ async def run_grid(out: Path, player: Player, progress: bool = True, game_budget
     probe = await probe_policy(player)
     seconds = time.perf_counter() - t0
     g = evaluate_grid(player.solution, probe.p_hit)
-    game = None
-    if game_budget != 0:
-        bar = tqdm(desc="game tree", unit="history", disable=None if progress else True)
+    bar = tqdm(desc="game tree", unit="history", disable=None if progress and game_budget != 0 else True)
 
-        def advance(nodes: int, width: float) -> None:
-            bar.update(nodes - bar.n)
-            bar.set_postfix(width=f"{width:.4f}", refresh=False)
+    def advance(nodes: int, width: float) -> None:
+        bar.update(nodes - bar.n)
+        bar.set_postfix(width=f"{width:.4f}", refresh=False)
 
-        game = await exact_game(player, game_budget, probe=probe, progress=advance)
-        bar.close()
+    game = await exact_game(player, game_budget, probe=probe, progress=advance)
+    bar.close()
     out.mkdir(parents=True, exist_ok=True)
     meta = {"policy": player.policy.generation_params(), "temperature": probe.temperature, "seconds": seconds,
             "p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None,

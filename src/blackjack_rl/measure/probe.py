@@ -101,7 +101,7 @@ async def exact_grid(player: Player, game_budget: int | None = None) -> dict[str
         **g.to_dict(),
         "temperature": probe.temperature,
         "p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None,
-        "whole_game": None if game_budget == 0 else await exact_game(player, game_budget, probe=probe),
+        "whole_game": await exact_game(player, game_budget, probe=probe),
         "seconds": time.perf_counter() - t0,
     }
 
@@ -176,8 +176,9 @@ async def _score_histories(player: Player, temperature: float, histories: Sequen
 
 async def exact_game(player: Player, budget: int | None = None, target_width: float | None = None,
                      temperature: float | None = None, probe: Probe | None = None,
-                     progress: Progress | None = None) -> dict[str, Any]:
-    """The exact value of the policy over whole games (tree.py), as a JSON-ready dict.
+                     progress: Progress | None = None) -> dict[str, Any] | None:
+    """The exact value of the policy over whole games (tree.py), as a JSON-ready dict; None for a
+    `budget` of 0 (the chart alone), where None is the default budget.
 
     For a model, P(hit) and P(stick) at a history are the probabilities of the two canonical
     calls exactly (their shared beginning included), and P(invalid) is everything else: also
@@ -189,6 +190,8 @@ async def exact_game(player: Player, budget: int | None = None, target_width: fl
     top-k and min-p truncation are not modelled. An invalid answer forfeits, as with the
     default `invalid_retries` 0 (a re-prompt could only score more than a forfeit of -1).
     """
+    if budget == 0:
+        return None
     t0 = time.perf_counter()
     bot = isinstance(player.policy, KnowsItsPolicy)
     budget = budget or (BOT_GAME_BUDGET if bot else GAME_BUDGET)
