@@ -54,7 +54,7 @@ def test_the_shipped_three_phase_recipe_is_the_committed_run():
 
 @pytest.mark.parametrize("name, signal, out, docs", [
     ("whole-game", "solver", "runs/wg2", "whole-game"),
-    ("reward-only", "table", "runs/ro3-fresh", "reward-only"),
+    ("reward-only", "table", "runs/ro4-fresh", "reward-only"),
     ("outcome-baseline", "table", "runs/outcome-baseline", "reward-only/outcome-baseline"),
 ])
 def test_a_shipped_recipe_is_its_committed_run(name, signal, out, docs):
