@@ -72,6 +72,26 @@ def test_a_hit_path_is_every_replay_of_its_rollout(rules):
     assert seen_busts > 1000 and longest >= 4  # paths of every length were compared
 
 
+def test_the_tables_quick_action_check_answers_as_gymnasiums(monkeypatch):
+    """A table's env answers a plain int action without Gymnasium's NumPy check (the rollouts'
+    inner loop) and every other value as Gymnasium does."""
+    import numpy as np
+    from gymnasium.spaces import Discrete
+
+    space, reference = Table()._env.action_space, Discrete(2)
+    for x in [0, 1, 2, -1, True, False, 1.0, np.int64(1), np.int64(2), np.int8(0), np.array(1), "1", None]:
+        assert space.contains(x) == reference.contains(x), repr(x)
+    calls = []
+    check = Discrete.contains
+    monkeypatch.setattr(Discrete, "contains", lambda self, x: (calls.append(x), check(self, x))[1])
+    table = Table()
+    table.hit_path([10, 2], 6, [1, 2, 3], 12)
+    table.reset(5)
+    table.step(HIT)
+    assert calls == []  # every action the game loop gives is a plain int
+    assert table._env.action_space.contains(np.int64(1)) and calls == [np.int64(1)]
+
+
 @pytest.mark.parametrize("bot", ["optimal", "threshold"])
 def test_rollouts_estimate_the_continuing_policys_q(solution, vocab_chat, bot):
     """With the optimal bot continuing, the estimates converge on Q*; with the threshold bot, on

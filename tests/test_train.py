@@ -462,6 +462,55 @@ def test_groups_trained_together_take_the_same_step_as_one_by_one(tiny_model_dir
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+def test_the_calls_shared_tokens_go_through_the_vocabulary_head_once(tiny_policy):
+    """The hit and stick calls agree up to the action word, and so do their states: the head
+    and its softmax (most of a scoring's cost) run once per distinct state, and every call's
+    logprobs are what it gets scored alone."""
+    from blackjack_rl.model.forward import causal_lm
+
+    chat = tiny_policy.chat
+    hit, stick = chat.answer_ids(tool_call_text(HIT)), chat.answer_ids(tool_call_text(0))
+    shared = next(i for i, (a, b) in enumerate(zip(hit, stick)) if a != b)
+    prompt = chat.prompt_ids(opening_messages(Observation(13, 7, False)))
+    head, rows = causal_lm(tiny_policy.model).lm_head, []
+    hook = head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    try:
+        together = tiny_policy.score_answers([(prompt, [hit, stick])], 1.0)
+        alone = [tiny_policy.score_answers([(prompt, [call])], 1.0)[0] for call in (hit, stick)]
+    finally:
+        hook.remove()
+    # the action word's own logprob is read at the last state they share: 1 + shared states in common
+    assert rows[0] == len(hit) + len(stick) - shared - 1  # not len(hit) + len(stick)
+    for got, want in zip(together, alone):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_a_scorings_chunks_run_their_shared_prefix_once(tiny_policy, monkeypatch):
+    """Answers asked together are scored in chunks (bounded memory); the system prompt they all
+    share runs once for all of them, and the logprobs are those of chunks that each run it."""
+    import blackjack_rl.model.logprobs as logprobs
+    import blackjack_rl.policies.torch.policy as torch_policy
+
+    chat = tiny_policy.chat
+    calls = [chat.answer_ids(tool_call_text(HIT)), chat.answer_ids(tool_call_text(0))]
+    # each chunk's two hands part at their first field, so every chunk shares the same prefix
+    hands = [(13, 2), (8, 7), (15, 3), (9, 10), (17, 4), (6, 5)]
+    prompts = [chat.prompt_ids(opening_messages(Observation(s, d, False))) for s, d in hands]
+    monkeypatch.setattr(torch_policy, "_SCORE_CHUNK", 2)
+    runs = []
+    run_prefix = logprobs.run_prefix
+    monkeypatch.setattr(logprobs, "run_prefix", lambda *a, **k: (runs.append(1), run_prefix(*a, **k))[1])
+
+    async def together():
+        return await asyncio.gather(*(tiny_policy.answer_logprobs(p, calls) for p in prompts))
+
+    batched = asyncio.run(together())
+    assert len(runs) == 1  # three chunks, one prefix
+    chunks = [tiny_policy.score_answers([(p, calls) for p in prompts[i : i + 2]], 1.0) for i in range(0, 6, 2)]
+    assert len(runs) == 4  # each chunk that runs its own prefix runs it again
+    assert [logps for got in batched for logps in got] == [logps for chunk in chunks for logps in chunk]  # bit for bit
+
+
 def test_answer_scores_asked_together_are_batched_and_equal_to_one_by_one(tiny_policy, vocab_chat):
     """The forced calls of every deal of a step are scored in shared forwards (the system
     prompt runs once), with the same logprobs as when each deal asks alone."""
@@ -471,7 +520,7 @@ def test_answer_scores_asked_together_are_batched_and_equal_to_one_by_one(tiny_p
     alone = [asyncio.run(tiny_policy.answer_logprobs(p, calls)) for p in prompts]
     forwards = []
     score = tiny_policy.score_answers
-    tiny_policy.score_answers = lambda items, t: (forwards.append(len(items)), score(items, t))[1]
+    tiny_policy.score_answers = lambda items, t, *rest: (forwards.append(len(items)), score(items, t, *rest))[1]
 
     async def together():
         return await asyncio.gather(*(tiny_policy.answer_logprobs(p, calls) for p in prompts))

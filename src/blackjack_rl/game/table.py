@@ -106,6 +106,14 @@ class _Cards:
         return self.cards[self.next - 1]
 
 
+def _quick_action_check(space: Any) -> None:
+    """Gymnasium's env checks every action with `Discrete.contains`, a few NumPy calls (~10 us,
+    a fifth of a rollout's path in `hit_path`): a plain int in range is answered at once, and
+    anything else still gets Gymnasium's own check."""
+    lo, hi, check = int(space.start), int(space.start) + int(space.n), type(space).contains
+    space.contains = lambda x: (type(x) is int and lo <= x < hi) or check(space, x)
+
+
 class Table:
     """One reusable Blackjack-v1 env. `reset(seed)` fixes the deal and every later draw."""
 
@@ -117,6 +125,7 @@ class Table:
         # The unwrapped env skips the order/passive checkers on every step; we call
         # reset before step ourselves, so they only cost time.
         self._env = self._wrapped.unwrapped
+        _quick_action_check(self._env.action_space)
         self._done = True
         self._streams: tuple[object, object] | None = None  # (player, dealer) generators after `resume`
 

@@ -130,13 +130,15 @@ def token_logprobs(
     *,
     first_layer: int = 0,
     states: Mapping[tuple[int, ...], torch.Tensor] | None = None,
+    prefixes: dict[tuple[int, ...], Any] | None = None,
 ) -> torch.Tensor:
     """log p(token | everything before it) at every trained position, one forward for the group.
 
     The prefix shared by all sequences (up to the first trained position) runs once, and what
     fewer of them share runs once too (`pack_rows`). With `first_layer` > 0 the layers below it
     are frozen: they run without gradients, or not at all when every sequence's states were
-    recorded at sampling time (`states`).
+    recorded at sampling time (`states`). `prefixes` keeps the shared prefix's run for the next
+    call with the same prefix: only while the weights stay as they are, and without gradients.
     """
     rows = len(tokens)
     first = int(targets.positions.min())
@@ -144,21 +146,37 @@ def token_logprobs(
     inputs = [p + 1] * rows  # positions 0 .. inputs-1 are read; the hidden state at j - 1 predicts token j
     for r, j in zip(targets.rows.tolist(), targets.positions.tolist()):
         inputs[r] = max(inputs[r], j)
+    if prefixes is not None and torch.is_grad_enabled():
+        raise ValueError("a kept prefix carries no gradients: pass `prefixes` only under torch.no_grad()")
     packed = pack_rows(tokens, inputs, p)
+    key = tuple(tokens[0][:p])
+    x: torch.Tensor
     if first_layer == 0:
-        prefix = run_prefix(model, list(tokens[0][:p])) if p > 0 else None
-        x: torch.Tensor = packed.ids
+        prefix_input, x = list(key), packed.ids
     else:
-        prefix_states, x = _trunk(model, tokens, inputs, packed, p, first_layer, states)
-        prefix = run_prefix(model, prefix_states, layers=(first_layer, None)) if p > 0 else None
+        prefix_input, x = _trunk(model, tokens, inputs, packed, p, first_layer, states)
+    prefix = prefixes.get(key) if prefixes is not None else None
+    if prefix is None and p > 0:
+        prefix = run_prefix(model, prefix_input, layers=(first_layer, None))
+        if prefixes is not None:
+            prefixes[key] = prefix
     hidden = forward_rows(model, x, packed.positions, packed.valid, prefix, layers=(first_layer, None),
                           attend=packed.attend).hidden
+    # Sequences that share a start share its states (`pack_rows`), so targets there read the same
+    # cell: in a scoring, which reads every position of both calls, the vocabulary head and its
+    # softmax (most of its cost) run once per cell. A training step reads few positions (the sure
+    # ones are skipped) and keeps a row per target.
     cells = [packed.column(r, j - 1) for r, j in zip(targets.rows.tolist(), targets.positions.tolist())]
-    picked = hidden[torch.tensor([c[0] for c in cells]), torch.tensor([c[1] for c in cells])]
+    unique = list(dict.fromkeys(cells)) if not torch.is_grad_enabled() else cells
+    picked = hidden[torch.tensor([c[0] for c in unique]), torch.tensor([c[1] for c in unique])]
     logits = causal_lm(model).lm_head(picked).float()
     if temperature > 0:
         logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(1, targets.tokens[:, None])[:, 0]
+    logp = torch.log_softmax(logits, dim=-1)
+    if unique is cells:
+        return logp.gather(1, targets.tokens[:, None])[:, 0]
+    index = {c: i for i, c in enumerate(unique)}
+    return logp[torch.tensor([index[c] for c in cells]), targets.tokens]
 
 
 def _trunk(model, tokens, inputs, packed: Packed, p, first_layer, states):

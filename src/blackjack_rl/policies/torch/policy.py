@@ -200,10 +200,12 @@ class TorchPolicy:
             batch = [r for r in self._scoring if r.temperature == t]
             self._scoring = [r for r in self._scoring if r.temperature != t]
             items = [item for r in batch for item in r.items]
+            prefixes: dict = {}  # the chunks' shared prefix runs once: the weights hold still while they score
             try:
                 flat: list[list[float]] = []
                 for i in range(0, len(items), _SCORE_CHUNK):
-                    flat += await loop.run_in_executor(self._worker, self.score_answers, items[i : i + _SCORE_CHUNK], t)
+                    flat += await loop.run_in_executor(self._worker, self.score_answers, items[i : i + _SCORE_CHUNK], t,
+                                                       prefixes)
             except Exception as exc:  # noqa: BLE001 - every waiting caller learns it failed
                 _settle(batch, error=exc)
                 continue
@@ -217,9 +219,9 @@ class TorchPolicy:
             _settle(batch, results)
 
     def score_answers(self, items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
-                      temperature: float) -> list[list[float]]:
+                      temperature: float, prefixes: dict | None = None) -> list[list[float]]:
         """Synchronous scoring of many (prompt, answers) at once, in one batched forward;
-        the answers' logprobs are returned flattened, in order."""
+        the answers' logprobs are returned flattened, in order. `prefixes`: see `token_logprobs`."""
         from blackjack_rl.model.logprobs import Targets, token_logprobs
 
         tokens, rows, positions, ids = [], [], [], []
@@ -241,9 +243,10 @@ class TorchPolicy:
                     # scored while a batch is collected (counterfactual calls): training reads these
                     # states instead of running the frozen trunk again
                     self._recorded.update(states)
-                logp = token_logprobs(self.model, tokens, targets, t, first_layer=self._frozen_below, states=states)
+                logp = token_logprobs(self.model, tokens, targets, t, first_layer=self._frozen_below, states=states,
+                                      prefixes=prefixes)
             else:
-                logp = token_logprobs(self.model, tokens, targets, t)
+                logp = token_logprobs(self.model, tokens, targets, t, prefixes=prefixes)
         logp = logp.tolist()
         out, k = [], 0
         for prompt, answers in items:
