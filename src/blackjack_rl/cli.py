@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sqlite3
 import sys
 from typing import TYPE_CHECKING
@@ -383,6 +384,10 @@ def user_error(exc: BaseException, options: tuple[Option, ...] = ()) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # torch's CPU allocator (c10, read before its first allocation) backs large tensors with
+    # transparent huge pages: the vocabulary head's [rows, 49,152] buffers otherwise fault in a
+    # 4 KB page at a time on every batch. A value the user set wins.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     options: tuple[Option, ...] = ()
     try:
         if argv[:1] == ["api"]:
