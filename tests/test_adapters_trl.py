@@ -133,27 +133,21 @@ def test_the_dataset_shows_the_deal_of_its_seed():
 
 
 @pytest.fixture(scope="module")
-def smollm2(hf_tokenizer_dir):
-    """SmolLM2-135M from the embedded GGUF (no download), as a plain trainable float32 model, and its
-    tokenizer rebuilt from the GGUF's vocabulary."""
+def trl_model(tiny_model_dir, hf_tokenizer_dir):
+    """A 2-layer llama with SmolLM2's vocabulary (conftest's `tiny_model_dir`), trainable float32,
+    and SmolLM2's tokenizer rebuilt from the GGUF. Every answer is forced to a call (`calls_only`),
+    so what these tests check is TRL's tool loop, rewards and advantages against ours, which do not
+    depend on the model's size; the 135M model made each TRL run a minute of prefill."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from blackjack_rl.model.io import load_model
-
-    model, _ = load_model(None)
-    config = model.config
-    if hasattr(config, "quantization_config"):  # the model came from a GGUF: train the dequantized weights
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict(), strict=False)
-    plain.tie_weights()
-    return plain, AutoTokenizer.from_pretrained(str(hf_tokenizer_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(str(hf_tokenizer_dir))
 
 
-def test_the_smollm2_template_passes_trls_tool_check_and_parses_our_calls(smollm2):
+def test_the_smollm2_template_passes_trls_tool_check_and_parses_our_calls(trl_model):
     from trl.chat_template_utils import parse_response, supports_tool_calling
 
-    _, tokenizer = smollm2
+    _, tokenizer = trl_model
     assert not supports_tool_calling(tokenizer)  # SmolLM2's own template has no tool role
     tokenizer = tool_chat_tokenizer(tokenizer)
     assert supports_tool_calling(tokenizer)
@@ -169,7 +163,7 @@ def test_the_smollm2_template_passes_trls_tool_check_and_parses_our_calls(smollm
 def calls_only(tokenizer) -> list:
     """transformers' `sequence_bias` that makes every answer a take_action call, hit or stick as
     the model prefers: each token of the call text is favoured once the tokens before it are written.
-    SmolLM2-135M rarely writes a call of its own, and TRL's tool loop is what the test is about."""
+    A small model rarely writes a call of its own, and TRL's tool loop is what the test is about."""
     calls = [tokenizer.encode(tool_call_text(action) + "<|im_end|>", add_special_tokens=False) for action in (0, 1)]
     return [[call[:k + 1], 100.0] for call in calls for k in range(len(call))]
 
@@ -200,21 +194,16 @@ def run_grpo(model, tokenizer, tmp_path, factory, dataset, steps=2):
         logging_steps=1, save_strategy="no", temperature=1.0, learning_rate=1e-4, seed=0,
         gradient_checkpointing=False,  # TRL 1.x turns it on, and generation then runs without its KV cache
     )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the tests run one at a time: prefilling the ~400-token prompts is most of it
-    try:
-        trainer = GRPOTrainer(model=model, processing_class=tool_chat_tokenizer(tokenizer), train_dataset=dataset,
-                              environment_factory=Recorded, reward_funcs=[record], args=args)
-        trainer.train()
-    finally:
-        torch.set_num_threads(threads)
+    trainer = GRPOTrainer(model=model, processing_class=tool_chat_tokenizer(tokenizer), train_dataset=dataset,
+                          environment_factory=Recorded, reward_funcs=[record], args=args)
+    trainer.train()
     return played, rewarded, trainer
 
 
 @pytest.mark.slow
-def test_grpo_trainer_trains_two_steps_and_its_rewards_are_ours(smollm2, tmp_path, monkeypatch):
+def test_grpo_trainer_trains_two_steps_and_its_rewards_are_ours(trl_model, tmp_path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    model, tokenizer = smollm2
+    model, tokenizer = trl_model
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     played, rewarded, trainer = run_grpo(model, tokenizer, tmp_path, BlackjackTRLEnv, prompt_dataset(range(8)))
 
@@ -232,9 +221,9 @@ def test_grpo_trainer_trains_two_steps_and_its_rewards_are_ours(smollm2, tmp_pat
 
 
 @pytest.mark.slow
-def test_grpo_trainer_needs_no_dataset(smollm2, tmp_path, monkeypatch):
+def test_grpo_trainer_needs_no_dataset(trl_model, tmp_path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    model, tokenizer = smollm2
+    model, tokenizer = trl_model
     played, rewarded, trainer = run_grpo(model, tokenizer, tmp_path, trl_environment(first_seed=500, group_size=2), None, steps=1)
 
     assert trainer.state.global_step == 1

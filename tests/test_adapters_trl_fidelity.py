@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("trl", reason="the trl extra is not installed (pip install -e '.[trl]')")
 torch = pytest.importorskip("torch", reason="the train extra is not installed (pip install -e '.[train]')")
 
-from test_adapters_trl import calls_only, smollm2  # noqa: E402,F401 - the model fixture and the call bias
+from test_adapters_trl import calls_only, trl_model  # noqa: E402,F401 - the model fixture and the call bias
 
 from blackjack_rl.adapters.trl_env import BlackjackTRLEnv, prompt_dataset, tool_chat_tokenizer, trl_environment  # noqa: E402
 from blackjack_rl.adapters.trl_fidelity import FidelityCallback, TrainedRollout, rollout_samples  # noqa: E402
@@ -70,44 +70,39 @@ def run(model, tokenizer, tmp_path, factory, dataset, every, steps=2, keep=100):
         logging_steps=1, save_strategy="no", temperature=1.0, learning_rate=1e-4, seed=0,
         gradient_checkpointing=False,
     )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the tests run one at a time: prefilling the ~400-token prompts is most of it
-    try:
-        trainer = GRPOTrainer(model=model, processing_class=tool_chat_tokenizer(tokenizer), train_dataset=dataset,
-                              environment_factory=factory, args=args)
-        batches = []
-        generate = trainer._generate_and_score_completions
+    trainer = GRPOTrainer(model=model, processing_class=tool_chat_tokenizer(tokenizer), train_dataset=dataset,
+                          environment_factory=factory, args=args)
+    batches = []
+    generate = trainer._generate_and_score_completions
 
-        def recorded(inputs):
-            out = generate(inputs)
-            rows = []
-            for i, env in enumerate(trainer.environments):
-                play = env.env.play
-                prompt = out["prompt_ids"][i][out["prompt_mask"][i].bool()].tolist()
-                completion = out["completion_ids"][i][out["completion_mask"][i].bool()].tolist()
-                rows.append({"seed": play.seed, "actions": tuple(d.action for d in play.decisions),
-                             "advantage": float(out["advantages"][i]), "ids": prompt + completion,
-                             "prompt": prompt})
-            batches.append(rows)
-            return out
+    def recorded(inputs):
+        out = generate(inputs)
+        rows = []
+        for i, env in enumerate(trainer.environments):
+            play = env.env.play
+            prompt = out["prompt_ids"][i][out["prompt_mask"][i].bool()].tolist()
+            completion = out["completion_ids"][i][out["completion_mask"][i].bool()].tolist()
+            rows.append({"seed": play.seed, "actions": tuple(d.action for d in play.decisions),
+                         "advantage": float(out["advantages"][i]), "ids": prompt + completion,
+                         "prompt": prompt})
+        batches.append(rows)
+        return out
 
-        trainer._generate_and_score_completions = recorded
-        callback = None
-        if every:
-            callback = FidelityCallback(trainer, every=every, out=tmp_path / "fidelity.jsonl", keep=keep)
-            trainer.add_callback(callback)
-        trainer.train()
-    finally:
-        torch.set_num_threads(threads)
+    trainer._generate_and_score_completions = recorded
+    callback = None
+    if every:
+        callback = FidelityCallback(trainer, every=every, out=tmp_path / "fidelity.jsonl", keep=keep)
+        trainer.add_callback(callback)
+    trainer.train()
     return trainer, batches, callback
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("with_dataset", [True, False])
-def test_the_callback_scores_trls_own_advantages_of_the_rollouts_it_trained(smollm2, tmp_path, monkeypatch,  # noqa: F811
+def test_the_callback_scores_trls_own_advantages_of_the_rollouts_it_trained(trl_model, tmp_path, monkeypatch,  # noqa: F811
                                                                             with_dataset):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    model, tokenizer = smollm2
+    model, tokenizer = trl_model
     # expected scoring: a group's rollouts that differ in any action differ in reward
     if with_dataset:
         factory, dataset = trl_environment(scoring="expected"), prompt_dataset(range(8))
@@ -154,11 +149,11 @@ def test_the_callback_scores_trls_own_advantages_of_the_rollouts_it_trained(smol
 
 
 @pytest.mark.slow
-def test_the_callback_leaves_training_as_it_was(smollm2, tmp_path, monkeypatch):  # noqa: F811
+def test_the_callback_leaves_training_as_it_was(trl_model, tmp_path, monkeypatch):  # noqa: F811
     """Two runs from the same weights and seed, one with the callback: the same rollouts, the
     same advantages and the same trained weights."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    model, tokenizer = smollm2
+    model, tokenizer = trl_model
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     runs = []
     for every in (0, 1):
