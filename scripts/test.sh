@@ -6,6 +6,11 @@
 # and the verifiers environment package into it from this checkout's files, and runs the whole
 # suite with that interpreter. pip's wheel cache keeps the llama-cpp-python build, so a rerun
 # costs minutes, not a compile. Arguments go to pytest (e.g. `-m "not slow"`).
+#
+# The suite runs in pytest-xdist workers, one per core up to 4 (BLACKJACK_RL_TEST_WORKERS sets the
+# count, 0 runs it in this process): most tests wait on a subprocess, a server or a lone Python
+# thread, so one worker leaves a core idle. Each test file stays on one worker (tests/conftest.py),
+# so its module fixtures load once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
@@ -37,4 +42,9 @@ python -m pip install -e ".[dev,train,ray,trl,verifiers,openenv,skyrl]" -e envir
 python -m pip check
 # Atropos' run-api, the wire reference: its other requirements serve its own environments (pyproject)
 python -m pip install --no-deps "atroposlib==0.4.0"
-python -m pytest "$@"
+WORKERS="${BLACKJACK_RL_TEST_WORKERS:-$(python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
+if [ "$WORKERS" -gt 0 ]; then
+    python -m pytest -n "$WORKERS" --dist loadgroup "$@"
+else
+    python -m pytest "$@"
+fi

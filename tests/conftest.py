@@ -18,6 +18,16 @@ from blackjack_rl.contract.tokens import ChatFormat, LlamaCppTokenizer, embedded
 os.environ.setdefault("BLACKJACK_RL_API_INGEST_WORKERS", "0")
 
 
+def pytest_collection_modifyitems(items):
+    """Under `pytest -n N --dist loadgroup` (scripts/test.sh) each test file is one unit of work,
+    so its module fixtures load on one worker only. A file that shares an expensive session
+    fixture with another (the chart probe, a Ray cluster) names a group of its own with
+    `pytest.mark.xdist_group`, and the files of one group run on one worker."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def solution():
     return solve(Rules())
