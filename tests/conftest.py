@@ -22,10 +22,17 @@ def pytest_collection_modifyitems(items):
     """Under `pytest -n N --dist loadgroup` (scripts/test.sh) each test file is one unit of work,
     so its module fixtures load on one worker only. A file that shares an expensive session
     fixture with another (the chart probe, a Ray cluster) names a group of its own with
-    `pytest.mark.xdist_group`, and the files of one group run on one worker."""
+    `pytest.mark.xdist_group`, and the files of one group run on one worker.
+
+    Groups that hold a `slow` or `embedded` test go first, so that the last units of work handed
+    out are short and no worker runs a long file alone at the end."""
+    groups: dict[str, bool] = {}
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        group = item.get_closest_marker("xdist_group").args[0]
+        groups[group] = groups.get(group, False) or any(item.get_closest_marker(m) for m in ("slow", "embedded"))
+    items.sort(key=lambda item: not groups[item.get_closest_marker("xdist_group").args[0]])  # stable
 
 
 @pytest.fixture(scope="session")
