@@ -17,6 +17,14 @@ from blackjack_rl.contract.tokens import ChatFormat, LlamaCppTokenizer, embedded
 # keep the default, one worker on 2+ cores, and tests of the workers ask for them.
 os.environ.setdefault("BLACKJACK_RL_API_INGEST_WORKERS", "0")
 
+# Under pytest-xdist each worker gets its share of the cores for torch's (OpenMP) threads, here and
+# in the commands it starts: two workers each running torch on every core made a TRL test 3.5x
+# slower than alone, its threads spinning against the other worker's. llama.cpp measures its free
+# cores itself (blackjack_rl.threads). Set before any test module imports torch.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
+
 
 def pytest_collection_modifyitems(items):
     """Under `pytest -n N --dist loadgroup` (scripts/test.sh) each test file is one unit of work,
