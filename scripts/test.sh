@@ -9,7 +9,7 @@
 #
 # The suite runs in pytest-xdist workers, one per core up to 4 (BLACKJACK_RL_TEST_WORKERS sets the
 # count, 0 runs it in this process): most tests wait on a subprocess, a server or a lone Python
-# thread, so one worker leaves a core idle. Each test file stays on one worker (tests/conftest.py),
+# thread, so one worker leaves a core idle. Each test file stays on one worker (--dist loadfile),
 # so its module fixtures load once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +44,7 @@ python -m pip check
 python -m pip install --no-deps "atroposlib==0.4.0"
 WORKERS="${BLACKJACK_RL_TEST_WORKERS:-$(python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
 if [ "$WORKERS" -gt 0 ]; then
-    python -m pytest -n "$WORKERS" --dist loadgroup "$@"
+    python -m pytest -n "$WORKERS" --dist loadfile "$@"
 else
     python -m pytest "$@"
 fi

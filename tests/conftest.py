@@ -27,20 +27,16 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 
 def pytest_collection_modifyitems(items):
-    """Under `pytest -n N --dist loadgroup` (scripts/test.sh) each test file is one unit of work,
-    so its module fixtures load on one worker only. A file that shares an expensive session
-    fixture with another (the chart probe, a Ray cluster) names a group of its own with
-    `pytest.mark.xdist_group`, and the files of one group run on one worker.
-
-    Groups that hold a `slow` or `embedded` test go first, so that the last units of work handed
-    out are short and no worker runs a long file alone at the end."""
-    groups: dict[str, bool] = {}
+    """Under `pytest -n N --dist loadfile` (scripts/test.sh) each test file is one unit of work, so
+    its module fixtures load on one worker only. Files that hold a `slow` or `embedded` test go
+    first, so that the last files handed out are short and no worker runs a long one alone at the
+    end. (`--dist loadgroup` would also keep files that share a session fixture together, but with
+    pytest 9.2 and xdist 3.8 its marks never reached the node ids, and it ran test by test.)"""
+    heavy: dict[str, bool] = {}
     for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-        group = item.get_closest_marker("xdist_group").args[0]
-        groups[group] = groups.get(group, False) or any(item.get_closest_marker(m) for m in ("slow", "embedded"))
-    items.sort(key=lambda item: not groups[item.get_closest_marker("xdist_group").args[0]])  # stable
+        path = item.nodeid.split("::")[0]
+        heavy[path] = heavy.get(path, False) or any(item.get_closest_marker(m) for m in ("slow", "embedded"))
+    items.sort(key=lambda item: not heavy[item.nodeid.split("::")[0]])  # stable: files stay whole
 
 
 @pytest.fixture(scope="session")

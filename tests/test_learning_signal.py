@@ -26,9 +26,6 @@ from blackjack_rl.contract.tokens import trained_spans
 from helpers import run_cli
 from scripted import Scripted
 
-# the embedded model's chart probe (a session fixture, ~2 minutes) is read once for both files
-pytestmark = pytest.mark.xdist_group("embedded-probe")
-
 
 def run(coro):
     return asyncio.run(coro)

@@ -20,8 +20,7 @@ from api_payloads import ATROPOS_REGISTRATION
 from helpers import CLI, ServerProcess, cli_env, free_port, popen_cli
 from test_serve import Pulled, group_key, pull
 
-pytestmark = [pytest.mark.timeout(400), pytest.mark.slow,  # Ray clusters
-              pytest.mark.xdist_group("ray")]  # one Ray at a time on the machine
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]  # Ray clusters
 
 
 def rows(out: Path) -> list[dict]:

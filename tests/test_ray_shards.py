@@ -16,8 +16,7 @@ from ray_cluster import NODE, ray
 from blackjack_rl.cli import main
 from mock_openai_server import MockServer, blackjack_answers, write_config
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow,  # a Ray cluster per session
-              pytest.mark.xdist_group("ray")]  # one Ray at a time on the machine
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # a Ray cluster per session
 TIMING = ("seconds", "episodes_per_second")
 
 

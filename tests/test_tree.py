@@ -19,9 +19,6 @@ from blackjack_rl.policies.bots import OptimalBot, RandomBot, ThresholdBot
 from blackjack_rl.rollout.episodes import play_episode
 from blackjack_rl.rollout.players import Player
 
-# the embedded model's chart probe (a session fixture, ~2 minutes) is read once for both files
-pytestmark = pytest.mark.xdist_group("embedded-probe")
-
 
 def run(coro):
     return asyncio.run(coro)
