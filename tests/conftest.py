@@ -32,6 +32,8 @@ def pytest_collection_modifyitems(items):
     first, so that the last files handed out are short and no worker runs a long one alone at the
     end. (`--dist loadgroup` would also keep files that share a session fixture together, but with
     pytest 9.2 and xdist 3.8 its marks never reached the node ids, and it ran test by test.)"""
+    if not os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+        return  # one process: the files in their usual order
     heavy: dict[str, bool] = {}
     for item in items:
         path = item.nodeid.split("::")[0]
