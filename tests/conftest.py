@@ -18,8 +18,8 @@ from blackjack_rl.contract.tokens import ChatFormat, LlamaCppTokenizer, embedded
 os.environ.setdefault("BLACKJACK_RL_API_INGEST_WORKERS", "0")
 
 # Under pytest-xdist each worker gets its share of the cores for torch's (OpenMP) threads, here and
-# in the commands it starts: two workers each running torch on every core made a TRL test 3.5x
-# slower than alone, its threads spinning against the other worker's. llama.cpp measures its free
+# in the commands it starts: with every worker's torch on every core, their threads spin against
+# each other. llama.cpp measures its free
 # cores itself (blackjack_rl.threads). Set before any test module imports torch.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
@@ -34,11 +34,8 @@ def pytest_collection_modifyitems(items):
     pytest 9.2 and xdist 3.8 its marks never reached the node ids, and it ran test by test.)"""
     if not os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
         return  # one process: the files in their usual order
-    heavy: dict[str, bool] = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        heavy[path] = heavy.get(path, False) or any(item.get_closest_marker(m) for m in ("slow", "embedded"))
-    items.sort(key=lambda item: not heavy[item.nodeid.split("::")[0]])  # stable: files stay whole
+    heavy = {item.path for item in items if any(item.get_closest_marker(m) for m in ("slow", "embedded"))}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: files stay whole
 
 
 @pytest.fixture(scope="session")
