@@ -316,3 +316,27 @@ def test_connections_are_kept_alive_reused_and_never_exceed_the_cap(a, vocab_cha
     sizes = run(closing(policy, main()))
     assert max(sizes) <= 8 and sizes[-1] == sizes[1]  # bounded, and the same connections serve every burst
     assert completions(a) == 128 and a.stats()["max_in_flight"] <= 8
+
+
+def test_a_cancelled_wait_for_a_slot_stays_cancelled():
+    """Ctrl-C cancels the run's task while it waits for a slot. If the slot frees in the same turn
+    of the loop, the task must still end cancelled: taking the slot instead would swallow the
+    interrupt, and the run would go on to finish as if never stopped."""
+
+    async def main():
+        pool = ServerPool([ServerSpec("http://127.0.0.1:9", max_concurrency=1)], timeout=10.0)
+        try:
+            holder = await pool._acquire(())
+            waiting = asyncio.create_task(pool._acquire(()))
+            for _ in range(3):
+                await asyncio.sleep(0)  # the second caller is now parked on its waiter
+            assert pool._waiters and not waiting.done()
+            pool._release(holder)  # the slot frees ...
+            waiting.cancel()  # ... and the interrupt lands before the waiter runs again
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert pool._servers[0].in_flight == 0  # the slot was not taken by the cancelled caller
+        finally:
+            await pool.aclose()
+
+    asyncio.run(main())

@@ -350,9 +350,10 @@ class Worker:
         return self.stats
 
     async def _sleep_or_stop(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self.stopping.wait(), timeout=seconds)
-        except asyncio.TimeoutError:
+        try:  # asyncio.timeout: wait_for can swallow a cancellation on 3.11 (policies/pool.py)
+            async with asyncio.timeout(seconds):
+                await self.stopping.wait()
+        except TimeoutError:
             pass
 
     async def shutdown(self) -> None:
@@ -369,8 +370,9 @@ class Worker:
             self._eval_task.cancel()
         if self._fidelity_task is not None:
             try:  # a reading under way is of groups already sent: let it be written
-                await asyncio.wait_for(self._fidelity_task, timeout=max(5.0, self.cfg.drain_timeout))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(max(5.0, self.cfg.drain_timeout)):
+                    await self._fidelity_task  # cancelled at the limit, as wait_for did
+            except TimeoutError:
                 log.warning("a fidelity reading did not finish within the drain timeout")
             except Exception as exc:  # a measurement: serving went on without it
                 log.warning("a fidelity reading failed: %s: %s", type(exc).__name__, exc)

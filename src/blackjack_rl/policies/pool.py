@@ -333,8 +333,11 @@ class ServerPool:
             waiter: asyncio.Future[None] = loop.create_future()
             self._waiters.append(waiter)
             try:
-                await asyncio.wait_for(waiter, remaining)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result when a
+                # cancellation arrives in the same turn as the slot, swallowing the user's Ctrl-C.
+                async with asyncio.timeout(remaining):
+                    await waiter
+            except TimeoutError:
                 pass
             finally:
                 if not waiter.done():
