@@ -252,3 +252,17 @@ def test_serve_with_an_unwritable_out_is_one_line(tmp_path):
                            "--api-url", "http://127.0.0.1:9", "--register-timeout", "1"],
                           capture_output=True, text=True, timeout=120)
     assert "a-file" in _one_error_line(proc)
+
+
+def test_serve_stops_retrying_an_api_at_its_register_timeout(tmp_path):
+    """--register-timeout bounds the whole wait for registration, an API that keeps answering
+    503 included: the retries stop at the deadline. The retry policy alone allows 8 attempts
+    (~15 s); within 1 s its backoff (0.1, 0.2, 0.4 s at the least) leaves room for 4 at most."""
+    from canned_server import CannedServer
+
+    with CannedServer({"detail": "restarting"}, status=503) as api:
+        proc = subprocess.run([*CLI, "serve", "--policy", "optimal", "--out", str(tmp_path / "w"),
+                               "--api-url", api.url.removesuffix("/v1"), "--register-timeout", "1"],
+                              capture_output=True, text=True, timeout=120)
+    assert "register-env" in _one_error_line(proc)
+    assert 1 <= api.posts <= 4, api.posts

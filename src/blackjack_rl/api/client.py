@@ -11,6 +11,7 @@ are not retried: they raise `ApiRejected` with the server's explanation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gzip
 import time
 import uuid
@@ -147,10 +148,23 @@ class EnvClient:
     async def register_env(
         self, request: RegisterEnv, *, poll_interval_s: float = 1.0, timeout_s: float | None = None
     ) -> RegisterEnvResponse:
-        """Register, waiting (polling) while the API says the trainer has not started."""
+        """Register, waiting (polling) while the API says the trainer has not started.
+
+        `timeout_s` bounds the whole wait, an API that cannot be reached included: each attempt's
+        retries stop at the deadline, so a worker told to give up after a second does not spend
+        its retry policy's ~15 s first."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            response = await self._request("POST", "/register-env", json=request.model_dump())
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ApiUnavailable(f"the trainer did not start within {timeout_s:g} s")
+            retry = self.retry if left is None else dataclasses.replace(
+                self.retry, max_elapsed_s=min(left, self.retry.max_elapsed_s or left))
+            try:
+                async with asyncio.timeout(left):
+                    response = await self._request("POST", "/register-env", retry=retry, json=request.model_dump())
+            except TimeoutError:
+                raise ApiUnavailable(f"the API did not answer POST /register-env within {timeout_s:g} s") from None
             answer = RegisterEnvResponse.model_validate(response.json())
             if answer.status == "success" and answer.env_id is not None:
                 self.env_id = answer.env_id
@@ -159,7 +173,7 @@ class EnvClient:
             if answer.status != WAIT_FOR_TRAINER:
                 raise ApiRejected(response.status_code, f"unexpected registration status {answer.status!r}")
             if deadline is not None and time.monotonic() >= deadline:
-                raise ApiUnavailable(f"the trainer did not start within {timeout_s} s")
+                raise ApiUnavailable(f"the trainer did not start within {timeout_s:g} s")
             await asyncio.sleep(poll_interval_s)
 
     async def status_env(self) -> StatusEnvResponse:
