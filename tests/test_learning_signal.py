@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from blackjack_rl.config import GroupConfig
-from blackjack_rl.rollout.credit import AnswerCredit, action_char_span, action_token_indices, decision_advantages
+from blackjack_rl.rollout.credit import AnswerCredit, action_char_span, action_token_indices, decision_advantages, hit_share
 from blackjack_rl.rollout.episodes import EpisodeSettings, opening_messages, play_episode
 from blackjack_rl.game.table import Observation, Rules, Table
 from blackjack_rl.measure.grid import GRID_STATES, evaluate_grid, visits
@@ -154,6 +154,7 @@ def test_scaled_decisions_weigh_every_state_the_same_and_the_format_has_its_own_
 @pytest.mark.embedded
 def test_counterfactual_groups_hold_both_calls_scored_by_q_with_the_models_logprobs(embedded, solution):
     player = Player(embedded, embedded.chat, solution, EpisodeSettings(max_new_tokens=48))
+    embedded.llama.reset()  # what earlier tests left cached changes how the prompt is split into batches
     deal = run(play_step_groups(player, 7, GroupConfig(credit="step-counterfactual", group_size=3)))
     assert deal.groups
     for result in deal.groups:
@@ -167,11 +168,16 @@ def test_counterfactual_groups_hold_both_calls_scored_by_q_with_the_models_logpr
             answer = g.tokens[row][prompt_len:]
             assert answer == embedded.chat.answer_ids(tool_call_text(action))
             assert g.scores[row] == q[action]
-            # the model's own logprobs, recomputed independently token by token
+            # the model's own logprobs, recomputed independently token by token. A prompt after a
+            # hit extends the cached opening in the policy and is one batch here: on AVX2 machines
+            # llama.cpp's batched kernels move logprobs by up to ~0.06 with the split (docs/inference.md)
             own = _logprobs_one_by_one(embedded, prompt, answer)
-            assert g.inference_logprobs[row][prompt_len:] == pytest.approx(own, abs=2e-3)
+            assert g.inference_logprobs[row][prompt_len:] == pytest.approx(own, abs=0.1)
         adv = g.advantages
         p_hit = meta[0].p_call["hit"]
+        # the policy's choice between the calls is read off exactly these logprobs
+        call_logprobs = [sum(g.inference_logprobs[row][prompt_len:]) for row in (3, 4)]
+        assert p_hit == pytest.approx(hit_share(*call_logprobs), abs=1e-9)
         v = p_hit * q[HIT] + (1 - p_hit) * q[STICK]
         sampled_validity = statistics.fmean(0.0 if m.action is not None else -1.0 for m in meta[:3])
         decode = embedded.chat.backend.decode
@@ -233,7 +239,8 @@ def _logprobs_one_by_one(policy, prompt, answer):
 
     llama = policy.llama
     llama.reset()
-    llama.eval(prompt)
+    llama.eval(prompt[:-1])
+    llama.eval(prompt[-1:])  # alone, as the policy decodes a prompt's last token (embedded.py, _prime)
     out = []
     for tok in answer:
         logits = np.asarray(llama.scores[llama.n_tokens - 1], dtype=np.float64)
@@ -355,8 +362,8 @@ def test_a_peft_adapter_plays_the_same_in_llama_cpp(tmp_path, gguf_path):
     lora = add_lora(model, 8, 16.0, layers=list(range(26, 30)))
     with torch.no_grad():
         for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.08)
+            if "lora_B" in name:  # a move of nats: far above llama.cpp's kernel noise on AVX2 (~0.3 per call)
+                p.normal_(0.0, 0.2)
     save_adapter(lora, tokenizer, tmp_path / "adapter", None)
     from blackjack_rl.model.io import export_model
 
