@@ -7,10 +7,9 @@
 # suite with that interpreter. pip's wheel cache keeps the llama-cpp-python build, so a rerun
 # costs minutes, not a compile. Arguments go to pytest (e.g. `-m "not slow"`).
 #
-# BLACKJACK_RL_TEST_WORKERS=N runs the suite in N pytest-xdist workers (default 0: one process, until
-# a failure seen under two workers is understood; README, Tests): most tests wait on a subprocess, a
-# server or a lone Python thread, so one process leaves a core idle. Each test file stays on one worker (--dist loadfile),
-# so its module fixtures load once.
+# The suite runs in BLACKJACK_RL_TEST_WORKERS pytest-xdist workers (default 2; 0: one process): most
+# tests wait on a subprocess, a server or a lone Python thread, so one process leaves a core idle.
+# Each test file stays on one worker (--dist loadfile), so its module fixtures load once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
@@ -42,7 +41,7 @@ python -m pip install -e ".[dev,train,ray,trl,verifiers,openenv,skyrl]" -e envir
 python -m pip check
 # Atropos' run-api, the wire reference: its other requirements serve its own environments (pyproject)
 python -m pip install --no-deps "atroposlib==0.4.0"
-WORKERS="${BLACKJACK_RL_TEST_WORKERS:-0}"
+WORKERS="${BLACKJACK_RL_TEST_WORKERS:-2}"
 if [ "$WORKERS" -gt 0 ]; then
     python -m pytest -n "$WORKERS" --dist loadfile "$@"
 else
