@@ -65,15 +65,33 @@ def embedded():
 
 
 @pytest.fixture(scope="session")
-def embedded_probe(embedded, solution):
+def embedded_probe(embedded, solution, tmp_path_factory):
     """The embedded model's chart probe (its 280 opening prompts scored, ~2 minutes on 2 cores):
-    read once for every test that checks something against it, never changed by them."""
+    read once for every test that checks something against it, never changed by them. Under
+    pytest-xdist the first worker to need it reads it and leaves it for the others (pickled in
+    the run's shared temporary folder, under a lock), instead of each worker reading it again."""
     import asyncio
+    import fcntl
+    import pickle
 
     from blackjack_rl.measure.probe import probe_policy
     from blackjack_rl.rollout.players import Player
 
-    return asyncio.run(probe_policy(Player(embedded, embedded.chat, solution)))
+    def read():
+        return asyncio.run(probe_policy(Player(embedded, embedded.chat, solution)))
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return read()
+    shared = tmp_path_factory.getbasetemp().parent  # one folder for all the run's workers
+    with open(shared / "embedded_probe.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = shared / "embedded_probe.pickle"
+        if cached.is_file():
+            return pickle.loads(cached.read_bytes())
+        probe = read()
+        cached.with_suffix(".tmp").write_bytes(pickle.dumps(probe))
+        cached.with_suffix(".tmp").replace(cached)
+        return probe
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -51,3 +52,17 @@ def test_the_embedded_model_runs_with_the_chosen_threads(embedded):
     chosen = embedded._threads.threads
     assert llama_cpp.llama_n_threads(embedded.llama.ctx) == chosen
     assert llama_cpp.llama_n_threads_batch(embedded.llama.ctx) == chosen
+
+
+@pytest.mark.embedded
+def test_scoring_revisits_the_thread_count_before_each_prompt(embedded, monkeypatch):
+    """A chart scores 560 prompts, minutes of work: the thread count is revisited as it goes,
+    not fixed at what the load average said when the model loaded."""
+    from blackjack_rl.contract.protocol import HIT, tool_call_text
+
+    asked = []
+    monkeypatch.setattr(embedded._threads, "check", lambda: asked.append(1) or embedded._threads.threads)
+    prompt = embedded.chat.prompt_ids([{"role": "user", "content": "hi"}])
+    call = embedded.chat.answer_ids(tool_call_text(HIT))
+    asyncio.run(embedded.answer_logprobs_many([(prompt, [call]), (prompt, [call[:3]]), (prompt, [call])]))
+    assert len(asked) == 3

@@ -208,10 +208,12 @@ class EmbeddedPolicy:
         loop = asyncio.get_running_loop()
 
         def run() -> list[list[list[float]]]:
-            return [
-                self.score_answers(list(p), [list(a) for a in ans], temperature or 1.0, same_kernels)
-                for p, ans in items
-            ]
+            out = []
+            for p, ans in items:
+                if self._threads is not None:  # a chart is minutes of scoring: revisit the free cores
+                    self._threads.check()
+                out.append(self.score_answers(list(p), [list(a) for a in ans], temperature or 1.0, same_kernels))
+            return out
 
         return await loop.run_in_executor(self._worker, run)
 
