@@ -3,7 +3,8 @@
 For answers no real server gives on purpose (content of the wrong type, odd fields):
 the client under test goes through its whole HTTP stack, and the test states exactly
 what came back. It runs in a daemon thread of the test process and stops on exit of
-the `with` block; GET answers the model list, so pool probes see a live server.
+the `with` block; GET answers the model list, so pool probes see a live server
+(or, with `get_status`, what POST answers, with that status).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any
 
 
 class CannedServer:
-    def __init__(self, answer: Any, status: int = 200, delay_s: float = 0.0) -> None:
-        self.answer, self.status, self.delay_s = answer, status, delay_s
-        self.posts = 0
+    def __init__(self, answer: Any, status: int = 200, delay_s: float = 0.0, get_status: int = 200) -> None:
+        self.answer, self.status, self.delay_s, self.get_status = answer, status, delay_s, get_status
+        self.posts = self.gets = 0
         self.bodies: list[bytes] = []  # every POST body, in order
         outer = self
 
@@ -30,6 +31,10 @@ class CannedServer:
                 self._send(outer.status, outer.answer)
 
             def do_GET(self) -> None:  # noqa: N802
+                outer.gets += 1
+                if outer.get_status != 200:  # a server that is down for GETs too answers them as POSTs
+                    self._send(outer.get_status, outer.answer)
+                    return
                 self._send(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
 
             def _send(self, status: int, payload: Any) -> None:

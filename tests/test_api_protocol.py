@@ -565,3 +565,18 @@ def test_a_crashed_ingest_worker_is_replaced_once() -> None:
     assert replaced == 1 and live == 1  # one replacement, not one per post
     groups, _ = after
     assert len(groups) == 1
+
+
+def test_a_trainers_batch_timeout_bounds_its_retries_of_an_api_that_cannot_answer() -> None:
+    """`train --batch-timeout` (TrainerClient.wait_for_batch) bounds the whole wait: an API that
+    answers 503 gets retried until the deadline, not for the retry policy's 8 attempts (~15 s).
+    Within 1 s the backoff (0.1, 0.2, 0.4 s at the least) leaves room for 4 attempts at most."""
+    from canned_server import CannedServer
+
+    from blackjack_rl.api import ApiUnavailable
+    from blackjack_rl.api.client import TrainerClient
+
+    with CannedServer({"detail": "restarting"}, status=503, get_status=503) as api:
+        with TrainerClient(api.url.removesuffix("/v1")) as trainer, pytest.raises(ApiUnavailable):
+            trainer.wait_for_batch(1.0)
+    assert 1 <= api.gets <= 4, api.gets

@@ -308,7 +308,7 @@ class TrainerClient:
     def close(self) -> None:
         self._http.close()
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _request(self, method: str, path: str, *, retry: RetryPolicy | None = None, **kwargs: Any) -> httpx.Response:
         def attempt(_: int) -> httpx.Response:
             try:
                 response = self._http.request(method, path, **kwargs)
@@ -317,7 +317,7 @@ class TrainerClient:
             return _checked(response, method, path)
 
         try:
-            return retry_sync(self.retry, attempt)
+            return retry_sync(retry or self.retry, attempt)
         except RetriesExhausted as exc:
             raise ApiUnavailable(f"{method} {path} {exc}") from None
 
@@ -325,10 +325,10 @@ class TrainerClient:
         payload = registration.model_dump() if isinstance(registration, Registration) else dict(registration)
         return int(self._request("POST", "/register", json=payload).json()["uuid"])
 
-    def get_batch(self) -> Batch | None:
+    def get_batch(self, retry: RetryPolicy | None = None) -> Batch | None:
         """The next batch, or None when the queue cannot fill one yet."""
         ack = self.last_batch_id if self.last_batch_id is not None else 0
-        data = pydantic_core.from_json(self._request("GET", "/batch", params={"ack": ack}).content)
+        data = pydantic_core.from_json(self._request("GET", "/batch", retry=retry, params={"ack": ack}).content)
         if not data.get("batch"):  # null, or [] before a trainer registered (as run-api answers)
             return None
         batch_id = data.get("batch_id")
@@ -343,9 +343,13 @@ class TrainerClient:
         return batch
 
     def wait_for_batch(self, timeout_s: float, poll_s: float = 0.05) -> Batch:
+        """Poll until a batch comes; `timeout_s` bounds the whole wait, retries of an API that
+        cannot answer included (as `EnvClient.register_env`'s)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            batch = self.get_batch()
+            left = max(0.0, deadline - time.monotonic())
+            retry = dataclasses.replace(self.retry, max_elapsed_s=min(left, self.retry.max_elapsed_s or left))
+            batch = self.get_batch(retry)
             if batch is not None:
                 return batch
             if time.monotonic() >= deadline:
