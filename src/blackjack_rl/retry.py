@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
@@ -36,6 +36,12 @@ class RetryPolicy:
             raise ValueError(f"a retry policy needs at least one attempt, got {self.attempts}")
         if self.base_delay_s < 0 or self.max_delay_s < 0:
             raise ValueError("retry delays cannot be negative")
+
+    def within(self, seconds: float) -> RetryPolicy:
+        """This policy, giving up `seconds` after its first attempt at the latest: the rest of a
+        caller's own deadline (a user's timeout), which the retries must not overrun."""
+        budget = max(0.0, seconds)
+        return replace(self, max_elapsed_s=budget if self.max_elapsed_s is None else min(budget, self.max_elapsed_s))
 
     def backoff(self, attempt: int) -> float:
         return min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1)) * (0.5 + random.random())

@@ -11,7 +11,6 @@ are not retried: they raise `ApiRejected` with the server's explanation.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gzip
 import time
 import uuid
@@ -158,8 +157,7 @@ class EnvClient:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise ApiUnavailable(f"the trainer did not start within {timeout_s:g} s")
-            retry = self.retry if left is None else dataclasses.replace(
-                self.retry, max_elapsed_s=min(left, self.retry.max_elapsed_s or left))
+            retry = self.retry if left is None else self.retry.within(left)
             try:
                 async with asyncio.timeout(left):
                     response = await self._request("POST", "/register-env", retry=retry, json=request.model_dump())
@@ -347,9 +345,7 @@ class TrainerClient:
         cannot answer included (as `EnvClient.register_env`'s)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            left = max(0.0, deadline - time.monotonic())
-            retry = dataclasses.replace(self.retry, max_elapsed_s=min(left, self.retry.max_elapsed_s or left))
-            batch = self.get_batch(retry)
+            batch = self.get_batch(self.retry.within(deadline - time.monotonic()))
             if batch is not None:
                 return batch
             if time.monotonic() >= deadline:
