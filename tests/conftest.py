@@ -89,8 +89,9 @@ def embedded_probe(embedded, solution, tmp_path_factory):
         if cached.is_file():
             return pickle.loads(cached.read_bytes())
         probe = read()
-        cached.with_suffix(".tmp").write_bytes(pickle.dumps(probe))
-        cached.with_suffix(".tmp").replace(cached)
+        partial = cached.with_suffix(".tmp")
+        partial.write_bytes(pickle.dumps(probe))
+        partial.replace(cached)
         return probe
 
 

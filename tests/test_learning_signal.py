@@ -10,7 +10,9 @@ import statistics
 import pytest
 
 from blackjack_rl.config import GroupConfig
-from blackjack_rl.rollout.credit import AnswerCredit, action_char_span, action_token_indices, decision_advantages, hit_share
+from blackjack_rl.rollout.credit import (
+    AnswerCredit, action_char_span, action_token_indices, decision_advantages, hit_share,
+)
 from blackjack_rl.rollout.episodes import EpisodeSettings, opening_messages, play_episode
 from blackjack_rl.game.table import Observation, Rules, Table
 from blackjack_rl.measure.grid import GRID_STATES, evaluate_grid, visits
