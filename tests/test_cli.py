@@ -265,4 +265,4 @@ def test_serve_stops_retrying_an_api_at_its_register_timeout(tmp_path):
                                "--api-url", api.url.removesuffix("/v1"), "--register-timeout", "1"],
                               capture_output=True, text=True, timeout=120)
     assert "register-env" in _one_error_line(proc)
-    assert 1 <= api.posts <= 4, api.posts
+    assert api.posts <= 4, api.posts  # (on a machine slow enough, even the first may not arrive in time)
