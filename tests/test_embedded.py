@@ -7,10 +7,11 @@ import pytest
 
 from blackjack_rl.config import GroupConfig
 from blackjack_rl.rollout.episodes import opening_messages, play_episode
+from blackjack_rl.game.solver import HIT, STICK
 from blackjack_rl.game.table import Observation, Rules, Table
 from blackjack_rl.rollout.groups import play_group
 from blackjack_rl.rollout.players import Player
-from blackjack_rl.contract.protocol import parse_action
+from blackjack_rl.contract.protocol import observation_text, parse_action, tool_call_text
 from blackjack_rl.contract.tokens import MASKED, MASKED_LOGPROB, trained_spans
 
 pytestmark = pytest.mark.embedded
@@ -132,6 +133,54 @@ def test_batched_sampling_gives_the_ids_and_logprobs_of_one_at_a_time(embedded):
         assert b.text == a.text and b.finish_reason == a.finish_reason
     assert max(rows) == embedded.parallel  # every sequence decoded in one step
     assert len(rows) < sum(len(r.completion_ids) for r in alone) / 2
+
+
+def test_a_prompt_body_is_never_decoded_one_token_alone():
+    from blackjack_rl.policies.llama_batch import body_chunks, body_start
+
+    assert body_start(99, 100) == 98 and body_start(100, 100) == 100 and body_start(40, 100) == 40
+    assert body_start(0, 1) == 0  # a body of one token can only go alone
+    for stop in range(2, 40):
+        for start in range(stop - 1):
+            chunks = body_chunks(start, stop, 8)
+            assert chunks[0][0] == start and chunks[-1][1] == stop
+            assert all(b - a >= 2 and b - a <= 8 for a, b in chunks)
+            assert all(chunks[i][1] == chunks[i + 1][0] for i in range(len(chunks) - 1))
+
+
+def test_a_later_turn_is_the_same_whatever_the_cache_held(embedded):
+    """A later turn's prompt holds the earlier answer, which sampling decoded token by token
+    (other kernels than a chunk of tokens). Sampled right after that answer (warm: in the single
+    context and in a batched stream) or from an empty cache (cold), the turn gets the same ids and
+    logprobs, and scoring the two calls there gives the same logprobs. This is what makes an
+    evaluation play the same at any concurrency."""
+    first = _prompt(embedded, Observation(13, 10, False))
+    answer = embedded.generate(first, 11)
+    later = first + answer.completion_ids + embedded.chat.next_turn_ids(observation_text(17, 10, False))
+    calls = [embedded.chat.answer_ids(tool_call_text(a)) for a in (HIT, STICK)]
+
+    def cold():
+        embedded.llama.reset()
+
+    def warm():
+        assert embedded.generate(first, 11).completion_ids == answer.completion_ids
+
+    replies, scores = {}, {}
+    for name, setup in (("cold", cold), ("warm", warm)):
+        setup()
+        replies[name] = embedded.generate(later, 12)
+        setup()
+        scores[name] = asyncio.run(embedded.answer_logprobs(later, calls))
+
+    async def batched():
+        await embedded.respond(_turn(first, 11))  # the stream that answers next holds this answer
+        return await embedded.respond(_turn(later, 12))
+
+    replies["batched"] = asyncio.run(batched())
+    for name in ("warm", "batched"):
+        assert replies[name].completion_ids == replies["cold"].completion_ids, name
+        assert replies[name].logprobs == replies["cold"].logprobs, name
+    assert scores["warm"] == scores["cold"]
 
 
 def test_batched_sampling_refuses_a_prompt_longer_than_the_context(embedded):

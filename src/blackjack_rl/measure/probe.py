@@ -50,34 +50,41 @@ def can_probe(policy: Any) -> bool:
 
 async def probe_policy(player: Player, temperature: float | None = None, calls_probability: bool = True) -> Probe:
     """`temperature` None: the policy's sampling temperature (a model), or its exact policy (a bot).
-    `calls_probability` False skips P(a canonical call), which costs a third of the work."""
+    `calls_probability` False skips P(a canonical call), which saves a trainer's torch model the
+    vocabulary head over the calls' shared beginning (llama.cpp decodes the same tokens either way)."""
     policy = player.policy
     if isinstance(policy, KnowsItsPolicy):
         return Probe({k: float(policy.hit_probability(Observation(*k), False)) for k in GRID_STATES}, None, None)
     _check_scores(policy)
     t = temperature if temperature is not None else float(policy.temperature or 1.0)
+    prompts = [player.chat.prompt_ids(opening_messages(Observation(*k), player.settings.thinking))
+               for k in GRID_STATES]
+    scored = await _score_calls(player, prompts, t, calls_probability)
+    p_hit = {k: hit_share(hit, stick) for k, (_, hit, stick) in zip(GRID_STATES, scored)}
+    p_calls = {k: math.exp(shared) * (math.exp(hit) + math.exp(stick))
+               for k, (shared, hit, stick) in zip(GRID_STATES, scored)} if calls_probability else None
+    return Probe(p_hit, p_calls, t)
+
+
+async def _score_calls(player: Player, prompts: Sequence[list[int]], temperature: float,
+                       whole: bool = True) -> list[tuple[float, float, float]]:
+    """Per prompt, the logprobs of the two calls' shared beginning and of each call's end after it.
+
+    The shared beginning is the same factor in both calls: it cancels in P(hit | valid) and is
+    decoded once. `whole` scores the two whole calls in one item (the beginning's logprob is
+    then known); otherwise the beginning is context only (0.0 in its place), which saves a
+    trainer the vocabulary head over it. A chart read at the 1e-2 level may use llama.cpp's
+    faster batched kernels (`same_kernels=False`)."""
     chat = player.chat
     calls = [chat.answer_ids(tool_call_text(HIT)), chat.answer_ids(tool_call_text(STICK))]
-    # The calls' shared beginning is the same factor in both probabilities: it cancels in
-    # P(hit | valid) and is scored once (as context) for P(a canonical call).
     shared = common_prefix_length(calls)
-    items = []
-    for k in GRID_STATES:
-        prompt = chat.prompt_ids(opening_messages(Observation(*k), player.settings.thinking))
-        if calls_probability:
-            items.append((prompt, [calls[0][:shared]]))
-        items.append(([*prompt, *calls[0][:shared]], [c[shared:] for c in calls]))
-    # a chart read at the 1e-2 level may use llama.cpp's faster batched kernels
-    scored = await policy.answer_logprobs_many(items, t, same_kernels=False)
-    p_hit, p_calls = {}, {}
-    step = 2 if calls_probability else 1
-    for i, k in enumerate(GRID_STATES):
-        lp_hit, lp_stick = scored[step * i + step - 1]
-        p_hit[k] = hit_share(sum(lp_hit), sum(lp_stick))
-        if calls_probability:
-            (lp_shared,) = scored[step * i]
-            p_calls[k] = math.exp(sum(lp_shared)) * (math.exp(sum(lp_hit)) + math.exp(sum(lp_stick)))
-    return Probe(p_hit, p_calls or None, t)
+    if whole:
+        items = [(prompt, calls) for prompt in prompts]
+    else:
+        items = [([*prompt, *calls[0][:shared]], [c[shared:] for c in calls]) for prompt in prompts]
+    scored = await player.policy.answer_logprobs_many(items, temperature, same_kernels=False) if items else []
+    at = shared if whole else 0
+    return [(sum(hit[:at]), sum(hit[at:]), sum(stick[at:])) for hit, stick in scored]
 
 
 def _check_scores(policy: Any) -> None:
@@ -146,11 +153,9 @@ def node_policy(player: Player, temperature: float | None = None, probe: Probe |
 
 async def _score_histories(player: Player, temperature: float, histories: Sequence[History],
                            known: dict[Observation, tuple[float, float]]) -> list[tuple[float, float]]:
-    """Score the two calls at each history, with the probe's items (so a first decision reads
+    """Score the two calls at each history as the probe scores them (so a first decision reads
     the same numbers), neighbours in prompt order so llama.cpp reuses its cache between them."""
     chat, settings = player.chat, player.settings
-    calls = [chat.answer_ids(tool_call_text(HIT)), chat.answer_ids(tool_call_text(STICK))]
-    shared = common_prefix_length(calls)
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(histories)
     todo = []
     for i, h in enumerate(histories):
@@ -163,14 +168,9 @@ async def _score_histories(player: Player, temperature: float, histories: Sequen
         if len(prompt) + settings.max_new_tokens <= settings.max_token_length:
             todo.append((prompt, i))
     todo.sort()
-    items = []
-    for prompt, _ in todo:
-        items.append((prompt, [calls[0][:shared]]))
-        items.append(([*prompt, *calls[0][:shared]], [c[shared:] for c in calls]))
-    scored = await player.policy.answer_logprobs_many(items, temperature, same_kernels=False) if items else []
-    for j, (_, i) in enumerate(todo):
-        (lp_shared,), (lp_hit, lp_stick) = scored[2 * j], scored[2 * j + 1]
-        out[i] = (math.exp(sum(lp_shared) + sum(lp_hit)), math.exp(sum(lp_shared) + sum(lp_stick)))
+    scored = await _score_calls(player, [prompt for prompt, _ in todo], temperature)
+    for (_, i), (lp_shared, lp_hit, lp_stick) in zip(todo, scored):
+        out[i] = (math.exp(lp_shared + lp_hit), math.exp(lp_shared + lp_stick))
     return out
 
 

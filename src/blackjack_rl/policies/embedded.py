@@ -18,7 +18,7 @@ import numpy as np
 from blackjack_rl.contract.protocol import ACTION_NAMES, tool_call_text
 from blackjack_rl.contract.tokens import ChatFormat, LlamaCppTokenizer, common_prefix_length, embedded_model_path
 from blackjack_rl.policies.base import InferenceError, Reply, Turn
-from blackjack_rl.policies.llama_batch import BatchDecoder, Job, log_softmax_at
+from blackjack_rl.policies.llama_batch import BatchDecoder, Job, body_chunks, body_start, log_softmax_at
 from blackjack_rl.policies.llama_load import load_llama
 from blackjack_rl.policies.sampling import Sampling
 from blackjack_rl.threads import ThreadChooser, usable_cpus
@@ -84,6 +84,7 @@ class EmbeddedPolicy:
         self.tokenizer = LlamaCppTokenizer(self.llama, self.model_path.name)
         self.chat = ChatFormat.learn(self.tokenizer)
         self._pieces: dict[int, str] = {}
+        self._body = 0  # the leading cached tokens decoded as a prompt body (see _prime)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")
         self.parallel = parallel
         self._batcher: BatchDecoder | None = None  # made on first use: its KV cache is `parallel` contexts' worth
@@ -202,8 +203,9 @@ class EmbeddedPolicy:
 
         `same_kernels` decodes the answers one token at a time, as sampling does: llama.cpp's
         batched kernels give this Q4_1 model logprobs up to ~0.25 away from the single-token
-        ones, too far for an importance ratio clipped at 0.2. False decodes each answer in
-        one batch, several times faster, for a strategy chart read at the 1e-2 level.
+        ones, too far for an importance ratio clipped at 0.2. False decodes the answers in
+        chunks, several times faster, for a strategy chart read at the 1e-2 level; the token
+        before the answers part still goes alone (see score_answers).
         """
         loop = asyncio.get_running_loop()
 
@@ -241,7 +243,11 @@ class EmbeddedPolicy:
             llama.eval(prompt_ids[-1:])
             base = len(prompt_ids)
             shared = min(common_prefix_length(answers), min(len(a) for a in answers) - 1)
-            feed(answers[0][:shared])
+            # the answers' shared beginning, its last token alone as sampling decodes it: where the
+            # answers part (the two calls' action words), the logits are the lone-token kernel's
+            feed(answers[0][: shared - 1])
+            if shared:
+                llama.eval(answers[0][shared - 1 : shared])
             out = []
             for answer in answers:
                 self._truncate(base + shared)
@@ -348,23 +354,29 @@ class EmbeddedPolicy:
         return self.llama.tokenize(answer[len(text)].encode(), add_bos=False, special=False)[0]
 
     def _prime(self, prompt_ids: list[int]) -> None:
-        """Put all but the last prompt token in the KV cache, reusing what is already there.
+        """Put the prompt's body (all but its last token) in the KV cache, reusing only what
+        earlier bodies put there.
 
-        The logits a token is sampled from must not depend on what happened to be
-        cached: llama.cpp's single-token and batched kernels differ in the last bits,
-        enough to flip a sample. So the last prompt token is always decoded alone
-        (llama's `generate` then does exactly that), whatever the cache held, and the
-        same seed gives the same answer.
+        The logits a token is sampled from must not depend on what happened to be cached:
+        llama.cpp decodes a token alone with other kernels than a chunk of several, enough
+        to flip a sample. So the body goes in chunks of two or more (whose bits do not depend
+        on the split), the last prompt token alone (llama's `generate` then does exactly
+        that), and what was decoded alone (an earlier turn's answer) is decoded again as body
+        (llama_batch.py). The same tokens and seed give the same answer, whatever was cached.
         """
         llama = self.llama
-        keep = min(_common_prefix(llama.input_ids[: llama.n_tokens], prompt_ids), len(prompt_ids) - 1)
+        body = len(prompt_ids) - 1
+        self._body = min(self._body, llama.n_tokens)  # a cache cleared or trimmed elsewhere
+        keep = body_start(min(_common_prefix(llama.input_ids[: llama.n_tokens], prompt_ids), self._body), body)
         if keep < llama.n_tokens:
             if not llama._ctx.kv_cache_seq_rm(-1, keep, -1):
                 llama.reset()
                 keep = 0
             llama.n_tokens = keep
-        if keep < len(prompt_ids) - 1:
-            llama.eval(prompt_ids[keep:-1])
+        self._body = keep
+        for start, end in body_chunks(keep, body, llama.n_batch):
+            llama.eval(prompt_ids[start:end])
+        self._body = body
 
     async def aclose(self) -> None:
         self._worker.shutdown(wait=True)

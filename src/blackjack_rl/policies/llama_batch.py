@@ -11,6 +11,16 @@ seeded as `Llama.generate` seeds it, so a seed gives the same ids and logprobs b
 (tests/test_embedded.py holds the two paths to that; with one unified KV cache for all
 sequences it fails, as the cells of other sequences change how attention sums). This uses `Llama._init_sampler`, `_model`
 and `_lora_adapter`, which is why llama-cpp-python is pinned.
+
+A cache is reused only where it was filled as a cold start fills it. llama.cpp's attention takes
+another kernel for a sequence with one token in a decode than for one with several, and the two
+differ in the last bits (on AVX2 CPUs by up to ~1 in a logit). A chunk of two tokens or more gives
+the same bits however the tokens are split, so a prompt's body (all but its last token) goes in
+chunks of at least two, and its last token and the sampled ones go alone. Those decoded alone are
+never reused as the body of a later prompt: a later turn, which holds the earlier answer, decodes
+it again with its own body. So a token's logits depend on the tokens before it alone, not on
+what the cache held, and an episode plays the same at any concurrency (with an adapter applied at
+run time, to ~1e-5: docs/inference.md, "Which kernels a token meets").
 """
 
 from __future__ import annotations
@@ -27,6 +37,26 @@ from blackjack_rl.policies.base import InferenceError, Reply
 from blackjack_rl.policies.sampling import Sampling
 
 _COPY_GAIN = 32  # copy another stream's prefix when it saves at least this many prompt tokens
+
+
+def body_start(cached: int, body: int) -> int:
+    """Where a prompt body of `body` tokens starts decoding when its first `cached` tokens are in
+    the cache, filled by body chunks: never one token before the end, which would go alone."""
+    keep = min(cached, body)
+    return keep - 1 if body - keep == 1 and keep > 0 else keep
+
+
+def body_chunks(start: int, stop: int, size: int) -> list[tuple[int, int]]:
+    """[start, stop) as decode calls of at most `size` tokens, none of one token alone (unless
+    the whole span is one token)."""
+    out = []
+    while start < stop:
+        end = min(start + size, stop)
+        if stop - end == 1 and end - start > 2:
+            end -= 1
+        out.append((start, end))
+        start = end
+    return out
 
 
 @dataclass
@@ -71,7 +101,9 @@ class BatchDecoder:
         self._mem = llama_cpp.llama_get_memory(self.ctx)
         self._batch = llama_cpp.llama_batch_init(max(self._n_batch, slots), 0, 1)
         self._n_vocab = llama_cpp.llama_vocab_n_tokens(llama._model.vocab)
-        self._cached: list[list[int]] = [[] for _ in range(slots)]  # the tokens each stream holds
+        # the tokens each stream holds as a prompt body (the last prompt token and the answer,
+        # decoded alone, are in its cells too, but never reused)
+        self._cached: list[list[int]] = [[] for _ in range(slots)]
 
     def set_threads(self, n: int) -> None:
         self._lib.llama_set_n_threads(self.ctx, n, n)
@@ -106,19 +138,18 @@ class BatchDecoder:
         shared = [common_prefix_length((cached, target)) for cached in self._cached]
         slot = max(free, key=shared.__getitem__)
         source = max(range(self.slots), key=shared.__getitem__)
-        keep = shared[slot]
+        keep = body_start(shared[slot], len(target))
         if shared[source] >= keep + _COPY_GAIN:
             self._lib.llama_memory_seq_cp(self._mem, source, slot, -1, -1)  # the whole stream, copied as is
             self._cached[slot] = list(self._cached[source])
-            keep = shared[source]
+            keep = body_start(shared[source], len(target))
         free.remove(slot)
         if not self._lib.llama_memory_seq_rm(self._mem, slot, keep, -1):
             raise InferenceError("llama.cpp could not trim a sequence of its KV cache")
         self._cached[slot] = target[:keep]
-        for start in range(keep, len(target), self._n_batch):
-            chunk = target[start : start + self._n_batch]
-            self._decode([(slot, start + i, tok) for i, tok in enumerate(chunk)])
-            self._cached[slot].extend(chunk)
+        for start, end in body_chunks(keep, len(target), self._n_batch):
+            self._decode([(slot, i, target[i]) for i in range(start, end)])
+            self._cached[slot].extend(target[start:end])
         job.pos, job.feed = len(target), job.prompt[-1]
         self.llama.set_seed(job.seed & 0x7FFFFFFF)
         s = self.sampling
@@ -131,7 +162,6 @@ class BatchDecoder:
         self._decode([(slot, active[slot].pos, active[slot].feed) for slot in order], every_row=True)
         for row, slot in enumerate(order):
             job = active[slot]
-            self._cached[slot].append(job.feed)
             job.pos += 1
             tok = int(self._lib.llama_sampler_sample(job.sampler.sampler, self.ctx, row))
             logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self.ctx, row), shape=(self._n_vocab,))
