@@ -34,9 +34,11 @@ gguf = pytest.importorskip("gguf")
 
 STATES = GRID_STATES[::14]  # 20 chart states
 FEW = slice(None, None, 4)  # 5 of them, for the wrong folds
-# Same kernels (measured here: 0.073 nats, 1.9e-3; an f32 fold 0.022 and 6e-4). The largest
-# logprob gaps are at the action token where its logprob is around -5.
-EXACT_LOGPROB, EXACT_P = 0.15, 5e-3
+# Same kernels (measured on Intel: 0.073 nats, 1.9e-3; an f32 fold 0.022 and 6e-4). The largest
+# logprob gaps are at the action token where its logprob is around -5. Its logits come from the
+# token before it decoded alone (embedded.score_answers), the kernel that differs most on AVX2:
+# there 0.030 nats and 1.3e-3, the half-alpha copy 0.024 and 6.4e-3; wrong folds 0.35 and more.
+EXACT_LOGPROB, EXACT_P = 0.15, 1e-2
 # Against the Q4_1 base + adapter (measured: 0.22 nats, 0.048; the F16 base alone moves 0.29, 0.12).
 QUANTIZED_LOGPROB, QUANTIZED_P = 0.5, 0.1
 
