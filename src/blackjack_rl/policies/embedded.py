@@ -243,8 +243,8 @@ class EmbeddedPolicy:
             llama.eval(prompt_ids[-1:])
             base = len(prompt_ids)
             shared = min(common_prefix_length(answers), min(len(a) for a in answers) - 1)
-            # the answers' shared beginning, its last token alone as sampling decodes it: where the
-            # answers part (the two calls' action words), the logits are the lone-token kernel's
+            # the answers' shared beginning, its last token alone as sampling decodes it, so that
+            # the logits where the answers diverge (the two calls' action words) are that kernel's
             feed(answers[0][: shared - 1])
             if shared:
                 llama.eval(answers[0][shared - 1 : shared])
