@@ -245,8 +245,8 @@ class EmbeddedPolicy:
             shared = min(common_prefix_length(answers), min(len(a) for a in answers) - 1)
             # the answers' shared beginning, its last token alone as sampling decodes it, so that
             # the logits where the answers diverge (the two calls' action words) are that kernel's
-            feed(answers[0][: shared - 1])
             if shared:
+                feed(answers[0][: shared - 1])
                 llama.eval(answers[0][shared - 1 : shared])
             out = []
             for answer in answers:
