@@ -5,7 +5,9 @@
 # of its own (no system or user site-packages, no PYTHONPATH), installs the project, every extra
 # and the verifiers environment package into it from this checkout's files, and runs the whole
 # suite with that interpreter. pip's wheel cache keeps the llama-cpp-python build, so a rerun
-# costs minutes, not a compile. Arguments go to pytest (e.g. `-m "not slow"`).
+# costs minutes, not a compile. Installs skip byte-compiling (--no-compile): pip would compile every
+# file of torch, ray, gradio and the rest (~70 of the main environment's ~110 s), while a run imports
+# a small part of them, compiled once on first import. Arguments go to pytest (e.g. `-m "not slow"`).
 #
 # The suite runs in BLACKJACK_RL_TEST_WORKERS pytest-xdist workers (default 2; 0: one process): most
 # tests wait on a subprocess, a server or a lone Python thread, so one process leaves a core idle.
@@ -27,7 +29,7 @@ command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium
 VF04_VENV="${BLACKJACK_RL_VF04_VENV:-.venv-vf04}"
 "$PYTHON" -m venv --clear "$VF04_VENV"
 "$VF04_VENV/bin/python" -m pip install --upgrade pip
-"$VF04_VENV/bin/python" -m pip install -e . -e environments/blackjack_rl_taskset "verifiers>=0.4,<0.5" uv
+"$VF04_VENV/bin/python" -m pip install --no-compile -e . -e environments/blackjack_rl_taskset "verifiers>=0.4,<0.5" uv
 "$VF04_VENV/bin/python" -m pip check
 BLACKJACK_RL_VF04_VENV="$(cd "$VF04_VENV" && pwd)"
 export BLACKJACK_RL_VF04_VENV
@@ -37,10 +39,10 @@ export BLACKJACK_RL_VF04_VENV
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 python -m pip install --upgrade pip
-python -m pip install -e ".[dev,train,ray,trl,verifiers,openenv,skyrl]" -e environments/blackjack_rl_env
+python -m pip install --no-compile -e ".[dev,train,ray,trl,verifiers,openenv,skyrl]" -e environments/blackjack_rl_env
 python -m pip check
 # Atropos' run-api, the wire reference: its other requirements serve its own environments (pyproject)
-python -m pip install --no-deps "atroposlib==0.4.0"
+python -m pip install --no-compile --no-deps "atroposlib==0.4.0"
 WORKERS="${BLACKJACK_RL_TEST_WORKERS:-2}"
 if [ "$WORKERS" -gt 0 ]; then
     python -m pytest -n "$WORKERS" --dist loadfile "$@"
