@@ -16,6 +16,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 unset PYTHONPATH PYTHONHOME PYTHONUSERBASE PIP_USER VIRTUAL_ENV
+# the environments are installed without bytecode (below): a module is compiled on its first import
+# and kept, so a machine that sets PYTHONDONTWRITEBYTECODE would compile torch in every subprocess
+unset PYTHONDONTWRITEBYTECODE
 VENV="${BLACKJACK_RL_TEST_VENV:-.venv-test}"
 PYTHON="${PYTHON:-python3}"
 

@@ -155,7 +155,8 @@ def _small_recipe(path: Path, model: str | None, second_steps: int, episodes: in
     common = {"policy": {"max_tokens": 8}, "groups": {"credit": "step-counterfactual", "group_size": 0,
                                                         "starts": "chart"},
               "train": {"lora": True, "lora_rank": 2, "train_layers": 1, "deals_per_step": 2, "lr": 1e-2,
-                        "eval_episodes": 0, "grid_every": 0, "save_every": 1, "max_train_rows": 8}}
+                        "eval_episodes": 0, "grid_every": 0, "game_budget": 0, "save_every": 1,
+                        "max_train_rows": 8}}
     if model is not None:
         common["policy"]["model_path"] = model
     recipe = {"name": "small", "version": 1, "signal": "solver", "summary": "two short phases",

@@ -224,7 +224,7 @@ def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir,
     run = run_cli("train", "--model-path", str(tiny_model_dir), "--steps", "2", "--deals-per-step", "2",
                "--group-size", "4", "--credit", "step", "--max-tokens", "6", "--eval-episodes", "3",
                "--eval-every", "1", "--save-every", "1", "--lora", "--threads", "1", "--max-batch", "8",
-               "--out", str(out), cwd=tmp_path)
+               "--game-budget", "300", "--out", str(out), cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in rows] == [
@@ -233,6 +233,8 @@ def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir,
     step = rows[2]
     for key in ("grid_accuracy", "grid_value", "grid_p_hit_hit_optimal", "grid_p_hit_stick_optimal"):
         assert key in step and key in rows[1]
+    for row in (rows[1], step):  # the whole game beside the chart: an interval around its value
+        assert -1.0 - 1e-9 <= row["game_value_low"] <= row["game_value"] <= row["game_value_high"] <= 1.0 + 1e-9
     for key in ("mean_score", "valid_call_rate", "decision_accuracy", "sample_tokens_per_s", "trained_groups"):
         assert key in step
     assert set(rows[0]["summary"]) >= {"valid_decisions", "win", "decision_accuracy", "mean_reward"}
@@ -643,7 +645,7 @@ def test_a_run_started_from_a_saved_adapter_continues_that_adapter(tiny_model_di
     weights), and its final adapter is one adapter over the base model, not a stack."""
     common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "0", "--credit",
               "step-counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "1",
-              "--threads", "1", "--lr", "1e-2", "--lora", "--steps", "1"]
+              "--game-budget", "0", "--threads", "1", "--lr", "1e-2", "--lora", "--steps", "1"]
     first = run_cli("train", *common, "--out", str(tmp_path / "one"), cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     second = run_cli("train", *common, "--seed", "1", "--init-adapter", str(tmp_path / "one" / "adapter"),
@@ -676,7 +678,7 @@ def test_a_fresh_adapter_over_a_saved_one_is_saved_as_one_exact_adapter(tiny_mod
     model: a third run over that stack starts exactly where the second ended."""
     common = ["--model-path", str(tiny_model_dir), "--deals-per-step", "2", "--group-size", "0", "--credit",
               "step-counterfactual", "--max-tokens", "6", "--eval-episodes", "0", "--grid-every", "1",
-              "--threads", "1", "--lr", "1e-2", "--lora", "--lora-rank", "4"]
+              "--game-budget", "0", "--threads", "1", "--lr", "1e-2", "--lora", "--lora-rank", "4"]
 
     def grid_rows(path):
         rows = [json.loads(x) for x in (path / "train_log.jsonl").read_text().splitlines()]
