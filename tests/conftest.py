@@ -65,34 +65,17 @@ def embedded():
 
 
 @pytest.fixture(scope="session")
-def embedded_probe(embedded, solution, tmp_path_factory):
-    """The embedded model's chart probe (its 280 opening prompts scored, ~2 minutes on 2 cores):
-    read once for every test that checks something against it, never changed by them. Under
-    pytest-xdist the first worker to need it reads it and leaves it for the others (pickled in
-    the run's shared temporary folder, under a lock), instead of each worker reading it again."""
+def embedded_probe(embedded, solution):
+    """The embedded model's chart probe (its 280 opening prompts scored, ~2 minutes on 2 cores),
+    read once and never changed by the tests that check something against it. They all live in
+    tests/test_tree.py: under --dist loadfile a file stays on one worker, so one worker reads it.
+    A test in another file would make a second worker read it again, or wait while the first does."""
     import asyncio
-    import fcntl
-    import pickle
 
     from blackjack_rl.measure.probe import probe_policy
     from blackjack_rl.rollout.players import Player
 
-    def read():
-        return asyncio.run(probe_policy(Player(embedded, embedded.chat, solution)))
-
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return read()
-    shared = tmp_path_factory.getbasetemp().parent  # one folder for all the run's workers
-    with open(shared / "embedded_probe.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        cached = shared / "embedded_probe.pickle"
-        if cached.is_file():
-            return pickle.loads(cached.read_bytes())
-        probe = read()
-        partial = cached.with_suffix(".tmp")
-        partial.write_bytes(pickle.dumps(probe))
-        partial.replace(cached)
-        return probe
+    return asyncio.run(probe_policy(Player(embedded, embedded.chat, solution)))
 
 
 @pytest.fixture(scope="session")

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
+import statistics
 
 import pytest
 
 from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text
 from blackjack_rl.game.solver import CARD_PROBS, after_hit, policy_outcome, solve, stick_outcome
 from blackjack_rl.game.table import Observation, Rules, Table
+from blackjack_rl.measure.grid import GRID_STATES, evaluate_grid
 from blackjack_rl.measure.probe import exact_game, exact_grid, history_ids, node_policy
 from blackjack_rl.measure.tree import deals, evaluate_game, is_natural, most_decisions, outcome_bounds, outcome_range
 from blackjack_rl.policies.base import Reply
 from blackjack_rl.policies.bots import OptimalBot, RandomBot, ThresholdBot
-from blackjack_rl.rollout.episodes import play_episode
+from blackjack_rl.rollout.episodes import opening_messages, play_episode
 from blackjack_rl.rollout.players import Player
 
 
@@ -277,6 +280,57 @@ def test_a_historys_prompt_is_the_episodes_own(vocab_chat, solution):
             checked += len(history) > 1
         assert ep.failed is False
     assert checked > 20
+
+
+class GridBot:
+    """Plays the stochastic policy of a grid, seeded per turn: its Monte Carlo is the check."""
+
+    name = "grid"
+
+    def __init__(self, p_hit):
+        self.p_hit = p_hit
+
+    def generation_params(self):
+        return {"policy": self.name}
+
+    async def respond(self, turn):
+        o = turn.observation
+        h = self.p_hit[(o.player_sum, o.dealer_card, o.usable_ace)]
+        return Reply(text=tool_call_text(HIT if random.Random(turn.seed).random() < h else STICK))
+
+    async def aclose(self):
+        pass
+
+
+def _monte_carlo(p_hit, chat, solution, n):
+    bot = GridBot(p_hit)
+
+    async def main():
+        table = Table(Rules())
+        return [await play_episode(table, bot, chat, solution, 10**9 + i) for i in range(n)]
+
+    rewards = [ep.reward for ep in run(main())]
+    mean = statistics.fmean(rewards)
+    se = statistics.stdev(rewards) / math.sqrt(n)
+    return mean, se
+
+
+@pytest.mark.embedded
+@pytest.mark.slow
+def test_grid_of_the_model_agrees_with_a_monte_carlo_of_its_policy(embedded, vocab_chat, solution, embedded_probe):
+    probe = embedded_probe
+    assert set(probe.p_hit) == set(GRID_STATES)
+    g = evaluate_grid(solution, probe.p_hit)
+    assert 0.0 < g.p_hit_stick_optimal < 1.0 and 0.0 < g.p_hit_hit_optimal < 1.0  # a stochastic policy
+    # the probe reads the same probabilities a direct scoring of the two calls gives
+    k = (16, 10, False)
+    prompt = embedded.chat.prompt_ids(opening_messages(Observation(*k)))
+    calls = [embedded.chat.answer_ids(tool_call_text(a)) for a in (HIT, STICK)]
+    (hit, stick), = run(embedded.answer_logprobs_many([(prompt, calls)], None, same_kernels=False))
+    # the same bits whatever the policy's cache held before (only the sums' rounding differs)
+    assert probe.p_hit[k] == pytest.approx(1 / (1 + math.exp(sum(stick) - sum(hit))), abs=1e-12)
+    mean, se = _monte_carlo(probe.p_hit, vocab_chat, solution, 30_000)
+    assert abs(mean - g.value) < 3.5 * se, (mean, se, g.value)
 
 
 @pytest.mark.embedded
