@@ -280,6 +280,34 @@ def test_grid_of_the_bots_is_exact(solution):
     assert t17.value < optimal.value and 0.5 < t17.accuracy < 1.0
 
 
+def test_the_charts_regret_splits_over_the_cost_of_a_wrong_call(solution):
+    """The bands by |Q*(hit) - Q*(stick)| hold every visited decision once, and their regrets add
+    up to the chart's (V* - V over the states visited: the performance-difference lemma)."""
+    from blackjack_rl.measure.grid import GAP_EDGES
+
+    rng = random.Random(5)
+    optimal = {k: float(solution.best_action(k) == HIT) for k in GRID_STATES}
+    policies = [{k: rng.random() for k in GRID_STATES}, optimal, {k: float(k.player_sum < 17) for k in GRID_STATES}]
+    for p_hit in policies:
+        g = evaluate_grid(solution, p_hit)
+        assert [b.low for b in g.by_gap] == list(GAP_EDGES) and [b.high for b in g.by_gap] == [*GAP_EDGES[1:], None]
+        assert sum(b.regret for b in g.by_gap) == pytest.approx(g.regret, abs=1e-12)
+        seen = sum(visits(Rules(), lambda s, d, u, n: p_hit[(s, d, u)]).values())
+        assert sum(b.visits for b in g.by_gap) == pytest.approx(seen, rel=1e-12)
+        assert sum(b.visits * b.accuracy for b in g.by_gap) / seen == pytest.approx(g.accuracy, rel=1e-12)
+    assert all(b.regret == pytest.approx(0.0, abs=1e-12) and b.accuracy == 1.0 for b in evaluate_grid(solution, optimal).by_gap)
+    # one wrong cell: its whole regret lands in its own band, as its visits times its gap
+    cell = Observation(16, 10, False)
+    q_stick, q_hit = solution.q_values(cell)
+    gap = abs(q_hit - q_stick)
+    one_wrong = {**optimal, cell: 1.0 - optimal[cell]}
+    g = evaluate_grid(solution, one_wrong)
+    band = max(i for i, e in enumerate(GAP_EDGES) if gap >= e)
+    mass = visits(Rules(), lambda s, d, u, n: one_wrong[(s, d, u)])[(16, 10, False, False)]
+    assert g.by_gap[band].regret == pytest.approx(mass * gap, rel=1e-9) == pytest.approx(g.regret, rel=1e-9)
+    assert all(b.regret == pytest.approx(0.0, abs=1e-12) for i, b in enumerate(g.by_gap) if i != band)
+
+
 def test_visits_conserve_the_deal_and_always_stick_decides_once(solution):
     v = visits(Rules(), lambda s, d, u, n: 0.0)
     assert sum(v.values()) == pytest.approx(1.0, abs=1e-12)
@@ -364,6 +392,8 @@ def test_a_game_budget_of_zero_reads_the_chart_alone(tmp_path):
     assert g["whole_game"] is None
     assert abs(g["value"] - policy_outcome(Rules(), lambda s, d, u, n: float(s < 17)).value) < 1e-12
     assert "whole game" not in chart.stdout and 'id="whole-game"' not in (tmp_path / "g" / "grid.html").read_text()
+    assert "by the cost of a wrong call" in chart.stdout
+    assert sum(b["regret"] for b in g["by_gap"]) == pytest.approx(g["regret"], abs=1e-12)
     full = run_cli("grid", "--policy", "threshold", "--threshold", "17", "--out", str(tmp_path / "f"), cwd=tmp_path)
     assert "whole game" in full.stdout and 'id="whole-game"' in (tmp_path / "f" / "grid.html").read_text()
 

@@ -263,7 +263,7 @@ def _cmd_grid(args: argparse.Namespace, console: Console) -> int:
     from rich.markup import escape
 
     from blackjack_rl.jobs.grid import run_grid
-    from blackjack_rl.report.console import game_line
+    from blackjack_rl.report.console import game_line, gap_line
 
     settings = settings_from_args(args)
     run = _with_player(settings, lambda player: run_grid(Path(settings.out), player,
@@ -273,6 +273,7 @@ def _cmd_grid(args: argparse.Namespace, console: Console) -> int:
                   f"accuracy {100 * g.accuracy:.1f}% by visits, {100 * g.cell_accuracy:.1f}% by cell; "
                   f"P(hit) {g.p_hit_hit_optimal:.2f} where hit is optimal, {g.p_hit_stick_optimal:.2f} where stick is "
                   f"({run.seconds:.1f}s).")
+    console.print(gap_line(g.to_dict()["by_gap"]), highlight=False)
     if run.game is not None:
         console.print(escape(game_line(run.game)))
     console.print(f"Chart in [bold]{run.page}[/bold]")

@@ -29,6 +29,25 @@ from blackjack_rl.game.solver import (CARD_PROBS, DEALER_CARDS, GRID_STATES, HAR
 
 
 
+# Bands of the cost of a wrong call, |Q*(hit) - Q*(stick)|: where a policy's errors lie and what they cost.
+GAP_EDGES = (0.0, 0.01, 0.03, 0.1, 0.3)
+
+
+@dataclass(frozen=True)
+class GapBand:
+    """The states whose two calls differ in value by `low` to `high` (None: no upper end).
+
+    Regret splits over states exactly (the performance-difference lemma): V* - V = the sum over
+    the states the policy visits of visits * P(wrong call) * gap, so the bands' regrets add up to
+    the chart's. Accuracy alone cannot say whether the errors lie where they cost nothing."""
+
+    low: float
+    high: float | None
+    visits: float  # expected decisions per deal in these states, under the policy
+    accuracy: float | None  # P(the optimal action) over those decisions (None: never visited)
+    regret: float  # their share of the chart's regret
+
+
 @dataclass(frozen=True)
 class GridEvaluation:
     """The exact numbers of one stochastic first-decision policy (all expectations, no noise)."""
@@ -44,6 +63,7 @@ class GridEvaluation:
     p_hit_hit_optimal: float  # mean P(hit) over cells where hitting is optimal
     p_hit_stick_optimal: float  # mean P(hit) over cells where sticking is optimal
     p_hit: list[list[float]]  # [row][dealer card], rows in GRID_STATES order (hard 4..21, soft 12..21)
+    by_gap: tuple[GapBand, ...] = ()  # accuracy and regret by the cost of a wrong call (GAP_EDGES)
 
     @property
     def hit_gap(self) -> float:
@@ -113,6 +133,7 @@ def evaluate_grid(solution: Solution, p_hit: Mapping[GridKey, float]) -> GridEva
 
     total = sum(seen.values())
     accuracy = sum(m * p_optimal(*k) for k, m in seen.items()) / total
+    by_gap = _by_gap(solution, seen, p_optimal)
     cells = [p_optimal(s, d, u, False) for s, d, u in GRID_STATES]
     hit_cells = [p_hit[k] for k in GRID_STATES if solution.best_action(k) == HIT]
     stick_cells = [p_hit[k] for k in GRID_STATES if solution.best_action(k) != HIT]
@@ -130,4 +151,22 @@ def evaluate_grid(solution: Solution, p_hit: Mapping[GridKey, float]) -> GridEva
         p_hit_hit_optimal=sum(hit_cells) / len(hit_cells),
         p_hit_stick_optimal=sum(stick_cells) / len(stick_cells),
         p_hit=table,
+        by_gap=by_gap,
     )
+
+
+def _by_gap(solution: Solution, seen: Mapping[tuple, float],
+            p_optimal: Callable[[int, int, bool, bool], float]) -> tuple[GapBand, ...]:
+    sums = {low: [0.0, 0.0, 0.0] for low in GAP_EDGES}  # visits, visits * P(optimal), regret
+    for (s, d, u, n), m in seen.items():
+        q_stick, q_hit = solution.q_values((s, d, u), n)
+        gap = abs(q_hit - q_stick)
+        low = max(e for e in GAP_EDGES if gap >= e)
+        p = p_optimal(s, d, u, n)
+        band = sums[low]
+        band[0] += m
+        band[1] += m * p
+        band[2] += m * (1.0 - p) * gap
+    highs = (*GAP_EDGES[1:], None)
+    return tuple(GapBand(low, high, v, a / v if v > 0 else None, r)
+                 for (low, (v, a, r)), high in zip(sums.items(), highs))

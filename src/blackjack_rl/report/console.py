@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -116,8 +116,20 @@ def _print_grid(grid: Mapping[str, Any], console: Console) -> None:
     """`evaluate --grid`: the exact numbers, beside the sampled ones above."""
     console.print(f"Exact, no sampling: first-decision chart {grid['value']:+.4f} "
                   f"(accuracy {100 * grid['accuracy']:.1f}% by visits, P(hit) among the two calls)", highlight=False)
+    if grid.get("by_gap"):
+        console.print(gap_line(grid["by_gap"]), highlight=False)
     if grid.get("whole_game"):
         console.print(escape(game_line(grid["whole_game"])), highlight=False)
+
+
+def gap_line(bands: Sequence[Mapping[str, Any]]) -> str:
+    """The chart's accuracy and regret by the cost of a wrong call (measure/grid.py's bands), one line."""
+    parts = []
+    for b in bands:
+        where = f"{b['low']:g}-{b['high']:g}" if b["high"] is not None else f">= {b['low']:g}"
+        right = "not visited" if b["accuracy"] is None else f"{100 * b['accuracy']:.1f}% right"
+        parts.append(f"{where}: {right}, regret {b['regret']:.4f}")
+    return "by the cost of a wrong call |Q*(hit) - Q*(stick)|: " + "; ".join(parts)
 
 
 def game_line(game: Mapping[str, Any]) -> str:
