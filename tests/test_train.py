@@ -234,6 +234,7 @@ def test_train_writes_log_curves_and_a_model_that_evaluate_loads(tiny_model_dir,
     for key in ("grid_accuracy", "grid_value", "grid_p_hit_hit_optimal", "grid_p_hit_stick_optimal"):
         assert key in step and key in rows[1]
     for row in (rows[1], step):  # the whole game beside the chart: an interval around its value
+        assert sum(b["regret"] for b in row["grid_by_gap"]) == pytest.approx(row["grid_regret"], abs=1e-12)
         assert -1.0 - 1e-9 <= row["game_value_low"] <= row["game_value"] <= row["game_value_high"] <= 1.0 + 1e-9
     for key in ("mean_score", "valid_call_rate", "decision_accuracy", "sample_tokens_per_s", "trained_groups"):
         assert key in step
