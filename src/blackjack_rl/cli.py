@@ -258,6 +258,7 @@ def _versus_base(settings, args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_grid(args: argparse.Namespace, console: Console) -> int:
+    from dataclasses import asdict
     from pathlib import Path
 
     from rich.markup import escape
@@ -273,7 +274,7 @@ def _cmd_grid(args: argparse.Namespace, console: Console) -> int:
                   f"accuracy {100 * g.accuracy:.1f}% by visits, {100 * g.cell_accuracy:.1f}% by cell; "
                   f"P(hit) {g.p_hit_hit_optimal:.2f} where hit is optimal, {g.p_hit_stick_optimal:.2f} where stick is "
                   f"({run.seconds:.1f}s).")
-    console.print(gap_line(g.to_dict()["by_gap"]), highlight=False)
+    console.print(gap_line([asdict(b) for b in g.by_gap]), highlight=False)
     if run.game is not None:
         console.print(escape(game_line(run.game)))
     console.print(f"Chart in [bold]{run.page}[/bold]")

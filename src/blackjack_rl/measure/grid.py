@@ -63,7 +63,7 @@ class GridEvaluation:
     p_hit_hit_optimal: float  # mean P(hit) over cells where hitting is optimal
     p_hit_stick_optimal: float  # mean P(hit) over cells where sticking is optimal
     p_hit: list[list[float]]  # [row][dealer card], rows in GRID_STATES order (hard 4..21, soft 12..21)
-    by_gap: tuple[GapBand, ...] = ()  # accuracy and regret by the cost of a wrong call (GAP_EDGES)
+    by_gap: tuple[GapBand, ...]  # accuracy and regret by the cost of a wrong call (GAP_EDGES)
 
     @property
     def hit_gap(self) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -125,7 +126,7 @@ def grid_metrics(player: Player, settings: Settings) -> dict[str, Any]:
         "grid_hit_gap": g.hit_gap,
         "grid_p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None,
         "grid_p_hit": g.p_hit,
-        "grid_by_gap": g.to_dict()["by_gap"],  # accuracy and regret by the cost of a wrong call
+        "grid_by_gap": [asdict(b) for b in g.by_gap],  # accuracy and regret by the cost of a wrong call
         # the whole game, every decision with its history (None where game_budget is 0)
         "game_value": game.get("value"),
         "game_value_low": game.get("value_low"),
