@@ -60,6 +60,13 @@ def test_the_probe_sees_a_heavy_import():
     assert "fastapi" in loaded["heavy"]
 
 
+def test_the_token_id_path_loads_no_chat_client():
+    """The completions policy (`--server`, `--token-path`) talks through httpx; the chat body it shares
+    with the chat policy lives apart from aiohttp, whose import builds TLS contexts it never uses."""
+    loaded = _loaded("import blackjack_rl.policies.openai_completions")
+    assert "httpx" in loaded["heavy"] and "aiohttp" not in loaded["heavy"], loaded
+
+
 def test_an_api_client_error_is_still_one_line(monkeypatch, capsys):
     """The API client's errors stay user errors (one line, exit 2) now that cli.py imports the
     client only in the handlers that use it."""

@@ -36,7 +36,7 @@ import httpx
 from blackjack_rl.contract.protocol import TOOLS
 from blackjack_rl.contract.tokens import ChatFormat
 from blackjack_rl.policies.base import InferenceError, Reply, Turn
-from blackjack_rl.policies.openai_chat import chat_replies, chat_sampling
+from blackjack_rl.policies.chat_body import chat_replies, chat_sampling
 from blackjack_rl.policies.pool import ServerPool, affinity_key
 from blackjack_rl.policies.sampling import Sampling
 from blackjack_rl.policies.structured import CALL_SCHEMA, structured_output_fields
