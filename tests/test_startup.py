@@ -67,6 +67,13 @@ def test_the_token_id_path_loads_no_chat_client():
     assert "httpx" in loaded["heavy"] and "aiohttp" not in loaded["heavy"], loaded
 
 
+def test_the_api_client_loads_no_server():
+    """A trainer or worker that talks to the API imports its client, never FastAPI and the server."""
+    loaded = _loaded("import blackjack_rl.api.client, blackjack_rl.train.sources\nfrom blackjack_rl.api import TrainerClient")
+    assert "httpx" in loaded["heavy"] and not {"fastapi", "starlette", "uvicorn"} & set(loaded["heavy"]), loaded
+    assert "fastapi" in _loaded("from blackjack_rl.api import create_app")["heavy"]
+
+
 def test_an_api_client_error_is_still_one_line(monkeypatch, capsys):
     """The API client's errors stay user errors (one line, exit 2) now that cli.py imports the
     client only in the handlers that use it."""
