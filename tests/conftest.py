@@ -65,20 +65,6 @@ def embedded():
 
 
 @pytest.fixture(scope="session")
-def embedded_probe(embedded, solution):
-    """The embedded model's chart probe (its 280 opening prompts scored, ~2 minutes on 2 cores),
-    read once and never changed by the tests that check something against it. They all live in
-    tests/test_tree.py: under --dist loadfile a file stays on one worker, so one worker reads it.
-    A test in another file would make a second worker read it again, or wait while the first does."""
-    import asyncio
-
-    from blackjack_rl.measure.probe import probe_policy
-    from blackjack_rl.rollout.players import Player
-
-    return asyncio.run(probe_policy(Player(embedded, embedded.chat, solution)))
-
-
-@pytest.fixture(scope="session")
 def embedded_constrained():
     from blackjack_rl.policies.embedded import EmbeddedPolicy
     from blackjack_rl.policies.sampling import Sampling

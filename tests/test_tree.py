@@ -15,8 +15,8 @@ from blackjack_rl.contract.protocol import HIT, STICK, tool_call_text
 from blackjack_rl.game.solver import CARD_PROBS, after_hit, policy_outcome, solve, stick_outcome
 from blackjack_rl.game.table import Observation, Rules, Table
 from blackjack_rl.measure.grid import GRID_STATES, evaluate_grid
-from blackjack_rl.measure.probe import exact_game, exact_grid, history_ids, node_policy
-from blackjack_rl.measure.tree import deals, evaluate_game, is_natural, most_decisions, outcome_bounds, outcome_range
+from blackjack_rl.measure.probe import exact_game, exact_grid, history_ids, node_policy, probe_policy
+from blackjack_rl.measure.tree import deals, evaluate_game, hit_value, is_natural, most_decisions, outcome_bounds, outcome_range
 from blackjack_rl.policies.base import Reply
 from blackjack_rl.policies.bots import OptimalBot, RandomBot, ThresholdBot
 from blackjack_rl.rollout.episodes import opening_messages, play_episode
@@ -315,39 +315,55 @@ def _monte_carlo(p_hit, chat, solution, n):
     return mean, se
 
 
-@pytest.mark.embedded
-@pytest.mark.slow
-def test_grid_of_the_model_agrees_with_a_monte_carlo_of_its_policy(embedded, vocab_chat, solution, embedded_probe):
-    probe = embedded_probe
-    assert set(probe.p_hit) == set(GRID_STATES)
-    g = evaluate_grid(solution, probe.p_hit)
-    assert 0.0 < g.p_hit_stick_optimal < 1.0 and 0.0 < g.p_hit_hit_optimal < 1.0  # a stochastic policy
-    # the probe reads the same probabilities a direct scoring of the two calls gives
-    k = (16, 10, False)
-    prompt = embedded.chat.prompt_ids(opening_messages(Observation(*k)))
-    calls = [embedded.chat.answer_ids(tool_call_text(a)) for a in (HIT, STICK)]
-    (hit, stick), = run(embedded.answer_logprobs_many([(prompt, calls)], None, same_kernels=False))
-    # the same bits whatever the policy's cache held before (only the sums' rounding differs)
-    assert probe.p_hit[k] == pytest.approx(1 / (1 + math.exp(sum(stick) - sum(hit))), abs=1e-12)
-    mean, se = _monte_carlo(probe.p_hit, vocab_chat, solution, 30_000)
+def test_the_grids_value_agrees_with_a_monte_carlo_of_a_stochastic_chart(vocab_chat, solution):
+    """grid.py's value of a chart that hits with some probability in every cell is the mean reward of
+    playing it (the chart's first-decision policy held at every decision)."""
+    rng = random.Random(7)
+    p_hit = {k: rng.uniform(0.05, 0.95) for k in GRID_STATES}
+    g = evaluate_grid(solution, p_hit)
+    mean, se = _monte_carlo(p_hit, vocab_chat, solution, 30_000)
     assert abs(mean - g.value) < 3.5 * se, (mean, se, g.value)
+    # and the check tells charts apart: the opposite chart's value is far outside that bound
+    assert abs(g.value - evaluate_grid(solution, {k: 1.0 - p for k, p in p_hit.items()}).value) > 7 * se
 
 
 @pytest.mark.embedded
 @pytest.mark.slow
-def test_the_models_whole_game_reads_its_first_decisions_as_the_probe(embedded, solution, embedded_probe):
+def test_the_models_whole_game_reads_its_first_decisions_as_the_probe(embedded, solution, monkeypatch):
+    """The probe (the chart's reading of the model), a direct scoring of the two calls and the
+    whole game's first decisions read the same numbers, on the likeliest deals."""
     player = Player(embedded, embedded.chat, solution)
-    probe = embedded_probe
     fresh = run(evaluate_game(solution, node_policy(player), budget=24, batch=24))
     assert fresh.max_depth == 0 and len(fresh.roots) == 24
+    k = (16, 10, False)
+    probe = run(probe_policy(player, states=[*fresh.roots, k]))
+    assert set(probe.p_hit) == {*fresh.roots, k} and 0.0 < probe.p_hit[k] < 1.0
     for obs, (p_hit, p_stick) in fresh.roots.items():
         assert p_hit / (p_hit + p_stick) == pytest.approx(probe.p_hit[obs], abs=1e-6)
         assert p_hit + p_stick == pytest.approx(probe.p_calls[obs], rel=1e-6)
-    # the first decisions from the probe, then the likeliest histories after a hit
-    g = run(exact_game(player, budget=len(deals()) + 16, target_width=0.0, probe=probe))
-    assert g["nodes"] == len(deals()) + 16 and g["max_depth"] >= 1 and not g["complete"]
+    # a direct scoring of the two calls reads the same bits, whatever the policy's cache held before
+    # (only the sums' rounding differs)
+    prompt = embedded.chat.prompt_ids(opening_messages(Observation(*k)))
+    calls = [embedded.chat.answer_ids(tool_call_text(a)) for a in (HIT, STICK)]
+    (hit, stick), = run(embedded.answer_logprobs_many([(prompt, calls)], None, same_kernels=False))
+    assert probe.p_hit[k] == pytest.approx(1 / (1 + math.exp(sum(stick) - sum(hit))), abs=1e-12)
+    # the whole game takes the first decisions the probe read from it, scoring none of them again
+    scored = []
+    score = embedded.answer_logprobs_many
+
+    async def counted(items, *args, **kwargs):
+        scored.extend(items)
+        return await score(items, *args, **kwargs)
+
+    monkeypatch.setattr(embedded, "answer_logprobs_many", counted)
+    g = run(exact_game(player, budget=len(fresh.roots), target_width=0.0, probe=probe))
+    assert g["nodes"] == len(fresh.roots) and g["max_depth"] == 0 and not g["complete"] and scored == []
     assert -1.0 <= g["value_low"] <= g["value_high"] <= 1.0 and g["width"] > 0.0
-    assert g["after_hit_accuracy"] is not None and 0.0 <= g["after_hit_accuracy"] <= 1.0
+    # and the model's histories after a hit: the likeliest below hitting hard 16 against a 10
+    below = run(hit_value(solution, node_policy(player, probe=probe), (Observation(*k),), budget=16, batch=16))
+    assert below.nodes == 16 == len(scored) and below.max_depth >= 1
+    assert below.after_hit_accuracy is not None and 0.0 <= below.after_hit_accuracy <= 1.0
+    assert -1.0 <= below.value_low <= below.value_high <= 1.0
 
 
 def test_grid_and_evaluate_write_and_print_the_whole_game(tmp_path):

@@ -48,21 +48,23 @@ def can_probe(policy: Any) -> bool:
     return isinstance(policy, (KnowsItsPolicy, ScoresAnswers))
 
 
-async def probe_policy(player: Player, temperature: float | None = None, calls_probability: bool = True) -> Probe:
+async def probe_policy(player: Player, temperature: float | None = None, calls_probability: bool = True,
+                       states: Sequence[GridKey] = GRID_STATES) -> Probe:
     """`temperature` None: the policy's sampling temperature (a model), or its exact policy (a bot).
     `calls_probability` False skips P(a canonical call), which saves a trainer's torch model the
-    vocabulary head over the calls' shared beginning (llama.cpp decodes the same tokens either way)."""
+    vocabulary head over the calls' shared beginning (llama.cpp decodes the same tokens either way).
+    `states`: the chart cells read (all of them unless told: grid.py needs every one); a cell's
+    numbers do not depend on which others are read with it."""
     policy = player.policy
     if isinstance(policy, KnowsItsPolicy):
-        return Probe({k: float(policy.hit_probability(Observation(*k), False)) for k in GRID_STATES}, None, None)
+        return Probe({k: float(policy.hit_probability(Observation(*k), False)) for k in states}, None, None)
     _check_scores(policy)
     t = temperature if temperature is not None else float(policy.temperature or 1.0)
-    prompts = [player.chat.prompt_ids(opening_messages(Observation(*k), player.settings.thinking))
-               for k in GRID_STATES]
+    prompts = [player.chat.prompt_ids(opening_messages(Observation(*k), player.settings.thinking)) for k in states]
     scored = await _score_calls(player, prompts, t, calls_probability)
-    p_hit = {k: hit_share(hit, stick) for k, (_, hit, stick) in zip(GRID_STATES, scored)}
+    p_hit = {k: hit_share(hit, stick) for k, (_, hit, stick) in zip(states, scored)}
     p_calls = {k: math.exp(shared) * (math.exp(hit) + math.exp(stick))
-               for k, (shared, hit, stick) in zip(GRID_STATES, scored)} if calls_probability else None
+               for k, (shared, hit, stick) in zip(states, scored)} if calls_probability else None
     return Probe(p_hit, p_calls, t)
 
 
