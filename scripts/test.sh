@@ -30,22 +30,46 @@ command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium
 # package gets its own venv; tests/test_adapters_verifiers_taskset.py runs its vf-eval from there
 # (and skips, saying why, when it is absent). uv runs the seat's chat program (a uv script).
 VF04_VENV="${BLACKJACK_RL_VF04_VENV:-.venv-vf04}"
-"$PYTHON" -m venv --clear "$VF04_VENV"
-"$VF04_VENV/bin/python" -m pip install --upgrade pip
-"$VF04_VENV/bin/python" -m pip install --no-compile -e . -e environments/blackjack_rl_taskset "verifiers>=0.4,<0.5" uv
-"$VF04_VENV/bin/python" -m pip check
+install_vf04() {
+    "$PYTHON" -m venv --clear "$VF04_VENV"
+    "$VF04_VENV/bin/python" -m pip install --upgrade pip
+    "$VF04_VENV/bin/python" -m pip install --no-compile -e . -e environments/blackjack_rl_taskset "verifiers>=0.4,<0.5" uv
+    "$VF04_VENV/bin/python" -m pip check
+}
+
+install_main() {
+    "$PYTHON" -m venv --clear "$VENV"
+    "$VENV/bin/python" -m pip install --upgrade pip
+    "$VENV/bin/python" -m pip install --no-compile -e ".[dev,train,ray,trl,verifiers,openenv,skyrl]" -e environments/blackjack_rl_env
+    "$VENV/bin/python" -m pip check
+    # Atropos' run-api, the wire reference: its other requirements serve its own environments (pyproject)
+    "$VENV/bin/python" -m pip install --no-compile --no-deps "atroposlib==0.4.0"
+}
+
+# The two installs are mostly unpacking and waiting on the index, so they run side by side (~75 s
+# against ~100 one after the other) once pip's cache holds the llama-cpp-python wheel both need.
+# Until then they run one after the other, so that it is compiled once, not twice at once.
+LLAMA_WHEEL="llama_cpp_python-$(sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml | head -n 1)-"
+if "$PYTHON" -m pip cache list 2>/dev/null | grep -qF "$LLAMA_WHEEL"; then
+    VF04_LOG="$(mktemp)"
+    install_vf04 >"$VF04_LOG" 2>&1 &
+    VF04_PID=$!
+    install_main
+    if ! wait "$VF04_PID"; then
+        cat "$VF04_LOG"
+        echo "the verifiers 0.4 environment ($VF04_VENV) failed to install (its output is above)" >&2
+        exit 1
+    fi
+    cat "$VF04_LOG"
+    rm -f "$VF04_LOG"
+else
+    install_vf04
+    install_main
+fi
 BLACKJACK_RL_VF04_VENV="$(cd "$VF04_VENV" && pwd)"
 export BLACKJACK_RL_VF04_VENV
-# --- end of the verifiers >= 0.4 environment -------------------------------------------------------
-
-"$PYTHON" -m venv --clear "$VENV"
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
-python -m pip install --upgrade pip
-python -m pip install --no-compile -e ".[dev,train,ray,trl,verifiers,openenv,skyrl]" -e environments/blackjack_rl_env
-python -m pip check
-# Atropos' run-api, the wire reference: its other requirements serve its own environments (pyproject)
-python -m pip install --no-compile --no-deps "atroposlib==0.4.0"
 WORKERS="${BLACKJACK_RL_TEST_WORKERS:-2}"
 if [ "$WORKERS" -gt 0 ]; then
     python -m pytest -n "$WORKERS" --dist loadfile "$@"

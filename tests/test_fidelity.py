@@ -112,16 +112,19 @@ def test_fidelity_reads_the_credit_of_reward_only_groups(tmp_path):
     """Groups written by `process --credit step-rollouts` with the embedded model, scored with it. The
     continuation is the reward-only recipe's (the chart: 280 opening prompts that share the system
     prompt's cache, where each history prompt is new), at first decisions: those after a hit are placed by
-    the history they carry in the test below, with a bot whose trees cost nothing."""
+    the history they carry in the test below, with a bot whose trees cost nothing. A small tree budget:
+    each history the tree reads is a new prompt for the model, and the width is not what is checked."""
     out = tmp_path / "rollouts"
     run_cli("process", "--credit", "step-rollouts", "--group-size", "0", "--rollouts", "4", "--starts", "uniform",
             "--rollout-continuation", "chart", "--decisions", "first", "--groups", "4", "--seed", "1", "--quiet",
             "--out", str(out), check=True, cwd=tmp_path, timeout=900)
-    run = run_cli("fidelity", str(out / "groups.jsonl"), "--out", str(out), cwd=tmp_path, timeout=900)
+    run = run_cli("fidelity", str(out / "groups.jsonl"), "--tree-budget", "2", "--out", str(out), cwd=tmp_path,
+                  timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     doc = json.loads((out / "fidelity.json").read_text())
     assert doc["scores"]["all"]["decisions"] == 8  # both calls of each of the four decisions
-    assert doc["policy"]["policy"] == "embedded"
+    assert doc["policy"]["policy"] == "embedded" and doc["budget"] == 2 and doc["histories"] == 4
+    assert 0.0 < doc["max_q_hit_width"] <= 2.0  # a tree cut short, its interval certified
 
 
 def test_step_groups_after_a_hit_are_placed_by_the_history_they_carry(tmp_path):

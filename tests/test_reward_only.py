@@ -168,13 +168,13 @@ def test_rollout_groups_carry_their_estimate_and_credit_it(embedded, vocab_chat,
     from blackjack_rl.rollout.episodes import EpisodeSettings
 
     player = Player(embedded, vocab_chat, solution, EpisodeSettings(max_new_tokens=48))
-    config = GroupConfig(credit="step-rollouts", group_size=0, rollouts=8, starts="uniform")
+    config = GroupConfig(credit="step-rollouts", group_size=0, rollouts=4, starts="uniform")
     memo = CallMemo()
     deal = asyncio.run(play_step_groups(player, 11, config, memo=memo))
     group = deal.groups[0].group
     first = group.episodes[0]
-    assert first.rollouts == 8 and set(first.q_estimate) == {"stick", "hit", "se_gap"}
-    assert first.q_estimate != first.q  # an estimate from 8 rollouts, not the solver's value
+    assert first.rollouts == 4 and set(first.q_estimate) == {"stick", "hit", "se_gap"}
+    assert first.q_estimate != first.q  # an estimate from 4 rollouts, not the solver's value
     by_action = {r.action: i for i, r in enumerate(group.episodes)}
     assert group.scores[by_action["hit"]] == first.q_estimate["hit"]
     assert group.scores[by_action["stick"]] == first.q_estimate["stick"]
