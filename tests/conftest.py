@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 import pytest
 from helpers import build_hf_tokenizer, free_port, running_server
@@ -25,20 +24,6 @@ os.environ.setdefault("BLACKJACK_RL_API_INGEST_WORKERS", "0")
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
-
-
-def pytest_collection_modifyitems(items):
-    """Under `pytest -n N --dist loadfile --no-loadscope-reorder` (scripts/test.sh) each test file is
-    one unit of work, so its module fixtures load on one worker only. Files go out heaviest first (by
-    their count of `slow` or `embedded` tests), so that the last files handed out are short and no
-    worker runs a long one alone at the end. xdist would otherwise reorder the files by their number
-    of tests, which puts many quick tests first and the few long ones last. (`--dist loadgroup` would
-    also keep files that share a session fixture together, but with pytest 9.2 and xdist 3.8 its
-    marks never reached the node ids, and it ran test by test.)"""
-    if not os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-        return  # one process: the files in their usual order
-    heavy = Counter(item.path for item in items if any(item.get_closest_marker(m) for m in ("slow", "embedded")))
-    items.sort(key=lambda item: -heavy[item.path])  # stable: files stay whole
 
 
 @pytest.fixture(scope="session")
