@@ -209,6 +209,11 @@ def test_torch_sampler_cuts_compose():
     ("embedded", {"constrained": True, "min_p": 0.1}, ("--constrained", "--min-p")),
     ("embedded", {"native_tools": True}, ("--native-tools", "--policy embedded")),
     ("optimal", {"lora": "adapter.gguf"}, ("--lora",)),
+    ("embedded", {"max_concurrency_per_server": 8}, ("--server-concurrency", "--policy embedded")),
+    # a server pool's options, on the single-server chat client
+    ("openai", {"model": "m", "max_concurrency_per_server": 8}, ("--server-concurrency", "--base-url")),
+    ("openai", {"model": "m", "sticky": False}, ("--no-sticky", "--base-url")),
+    ("openai", {"model": "m", "server_api": "sglang"}, ("--server-api", "--base-url")),
 ])
 def test_check_supported_refuses_what_a_policy_would_ignore(kind, extra, names):
     with pytest.raises(ValueError) as info:
@@ -224,7 +229,10 @@ def test_check_supported_accepts_what_each_policy_honours():
                    {"kind": "hf", **TRUNCATING}, {"kind": "optimal", "max_tokens": 32},
                    {"kind": "openai", "model": "m", "constrained": True, **TRUNCATING},
                    {"kind": "openai", "model": "m", "servers": ["http://127.0.0.1:9/v1"], "constrained": True,
-                    **TRUNCATING}):
+                    **TRUNCATING},
+                   {"kind": "openai", "model": "m", "servers": ["http://127.0.0.1:9/v1"],
+                    "max_concurrency_per_server": 8, "sticky": False, "server_api": "sglang"},
+                   {"kind": "openai", "model": "m", "token_path": "completions", "max_concurrency_per_server": 8}):
         check_supported(Settings(policy=policy).policy)
 
 
@@ -234,6 +242,8 @@ def test_check_supported_accepts_what_each_policy_honours():
     (["--policy", "hf", "--constrained"], ("--policy hf", "--constrained")),
     (["--policy", "embedded", "--constrained", "--top-p", "0.9"], ("--constrained", "--top-p")),
     (["--policy", "embedded", "--token-path", "chat"], ("--token-path", "--policy embedded")),
+    (["--policy", "openai", "--model", "m", "--server-concurrency", "8", "--tokenizer", "GGUF"],
+     ("--server-concurrency", "--base-url")),
     (["--policy", "openai", "--model", "m", "--server", "http://127.0.0.1:9/v1", "--token-path", "completions",
       "--constrained", "--structured-output", "tool_choice", "--tokenizer", "GGUF"], ("tool_choice",)),
 ])

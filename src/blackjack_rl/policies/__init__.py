@@ -108,12 +108,19 @@ def check_supported(p: PolicyConfig) -> None:
     defaults = type(p).model_fields
     changed = {name for name in ("temperature", "top_p", "top_k", "min_p")
                if getattr(p, name) != defaults[name].default}
+    pool_only = [flag for flag, on in (("--server-concurrency", p.max_concurrency_per_server
+                                        != defaults["max_concurrency_per_server"].default),
+                                       ("--server-api", p.server_api != defaults["server_api"].default),
+                                       ("--no-sticky", not p.sticky)) if on]
     if kind != "openai":
         server_only = [flag for flag, on in (("--server", bool(p.servers)), ("--token-path", p.token_path is not None),
-                                             ("--native-tools", p.native_tools)) if on]
+                                             ("--native-tools", p.native_tools)) if on] + pool_only
         if server_only:
             raise ValueError(f"{server_only[0]} applies to inference servers, not to --policy {kind}: "
                              "drop it or use --policy openai")
+    elif pool_only and not p.servers and p.token_path is None:
+        raise ValueError(f"{pool_only[0]} applies to a server pool (--server URL, or --token-path); the chat client "
+                         "of --base-url would ignore it: drop it, or name the server with --server")
     if kind == "openai" and p.constrained and p.structured_output == "tool_choice" and p.server_api == "vllm" \
             and (p.servers or p.token_path is not None) and p.token_path != "chat":
         raise ValueError("--structured-output tool_choice forces a chat tool call, which the token-id path (vLLM "
