@@ -214,6 +214,15 @@ def test_torch_sampler_cuts_compose():
     ("openai", {"model": "m", "max_concurrency_per_server": 8}, ("--server-concurrency", "--base-url")),
     ("openai", {"model": "m", "sticky": False}, ("--no-sticky", "--base-url")),
     ("openai", {"model": "m", "server_api": "sglang"}, ("--server-api", "--base-url")),
+    # a setting only other policies read
+    ("random", {"timeout": 5.0}, ("--timeout", "--policy random")),
+    ("embedded", {"model": "foo"}, ("--model", "--policy embedded")),
+    ("optimal", {"n_threads": 1}, ("--threads", "--policy optimal")),
+    ("openai", {"model": "m", "n_ctx": 512}, ("--n-ctx", "--policy openai")),
+    ("hf", {"base_url": "http://127.0.0.1:9/v1"}, ("--base-url", "--policy hf")),
+    ("optimal", {"threshold": 15}, ("--threshold", "--policy optimal")),
+    ("embedded", {"structured_output": "json_object"}, ("--structured-output", "--policy embedded")),
+    ("openai", {"model": "m", "structured_output": "json_object"}, ("--structured-output", "--constrained")),
 ])
 def test_check_supported_refuses_what_a_policy_would_ignore(kind, extra, names):
     with pytest.raises(ValueError) as info:
@@ -232,7 +241,12 @@ def test_check_supported_accepts_what_each_policy_honours():
                     **TRUNCATING},
                    {"kind": "openai", "model": "m", "servers": ["http://127.0.0.1:9/v1"],
                     "max_concurrency_per_server": 8, "sticky": False, "server_api": "sglang"},
-                   {"kind": "openai", "model": "m", "token_path": "completions", "max_concurrency_per_server": 8}):
+                   {"kind": "openai", "model": "m", "token_path": "completions", "max_concurrency_per_server": 8},
+                   {"kind": "openai", "model": "m", "timeout": 5.0, "retries": 0, "constrained": True,
+                    "structured_output": "json_object", "api_key": "k"},
+                   {"kind": "embedded", "n_threads": 1, "n_ctx": 512, "model_path": "x.gguf", "api_key": "k"},
+                   {"kind": "hf", "n_threads": 1, "model_path": "x"},
+                   {"kind": "threshold", "threshold": 15, "tokenizer": "x.gguf", "model_path": "x.gguf"}):
         check_supported(Settings(policy=policy).policy)
 
 
@@ -244,6 +258,7 @@ def test_check_supported_accepts_what_each_policy_honours():
     (["--policy", "embedded", "--token-path", "chat"], ("--token-path", "--policy embedded")),
     (["--policy", "openai", "--model", "m", "--server-concurrency", "8", "--tokenizer", "GGUF"],
      ("--server-concurrency", "--base-url")),
+    (["--policy", "random", "--timeout", "5"], ("--timeout", "--policy random")),
     (["--policy", "openai", "--model", "m", "--server", "http://127.0.0.1:9/v1", "--token-path", "completions",
       "--constrained", "--structured-output", "tool_choice", "--tokenizer", "GGUF"], ("tool_choice",)),
 ])

@@ -28,6 +28,21 @@ if TYPE_CHECKING:
     from blackjack_rl.contract.tokens import ChatFormat
 
 BOTS = ("optimal", "threshold", "random")
+# The policies that read each setting, by its flag: one changed from its default for any other
+# policy would be ignored, so it is refused (check_supported). The sampling settings, --lora, --max-batch
+# and the servers' options have rules of their own there. --api-key is left out: a key kept in the
+# environment (BLACKJACK_RL_POLICY__API_KEY) is no choice made for the run at hand.
+_READ_BY: dict[str, tuple[str, tuple[str, ...]]] = {
+    "base_url": ("--base-url", ("openai",)),
+    "model": ("--model", ("openai",)),
+    "timeout": ("--timeout", ("openai",)),
+    "retries": ("--retries", ("openai",)),
+    "tokenizer": ("--tokenizer", ("openai", *BOTS)),  # bots: the ids their text is written with
+    "model_path": ("--model-path", ("embedded", "hf", *BOTS)),  # bots: a GGUF to tokenize with
+    "n_threads": ("--threads", ("embedded", "hf")),
+    "n_ctx": ("--n-ctx", ("embedded",)),
+    "threshold": ("--threshold", ("threshold",)),
+}
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,14 @@ def check_supported(p: PolicyConfig) -> None:
             and (p.servers or p.token_path is not None) and p.token_path != "chat":
         raise ValueError("--structured-output tool_choice forces a chat tool call, which the token-id path (vLLM "
                          "/v1/completions) cannot: use --structured-output json_schema, or --token-path chat")
+    for name, (flag, readers) in _READ_BY.items():
+        if kind not in readers and getattr(p, name) != defaults[name].default:
+            raise ValueError(f"{flag} is read by --policy {', '.join(readers)} only; --policy {kind} would ignore "
+                             "it: drop it")
+    if p.structured_output != defaults["structured_output"].default and not (kind == "openai" and p.constrained):
+        raise ValueError("--structured-output says how --constrained asks an openai server for structured output; " + (
+            "without --constrained nothing reads it: drop it or add --constrained" if kind == "openai"
+            else f"with --policy {kind} nothing reads it: drop it"))
     if kind != "hf" and p.max_batch != defaults["max_batch"].default:
         raise ValueError(f"--max-batch is how many answers the torch policy samples in one forward; --policy {kind} "
                          "does not batch that way: drop it, or use --policy hf")
