@@ -31,6 +31,7 @@ from blackjack_rl.config import Settings
 from blackjack_rl.rollout.episodes import Episode
 from blackjack_rl.rollout.runner import DealResult, DealRunner
 from blackjack_rl.cluster import ClusterError, connected, node_failure_errors, task_error
+from blackjack_rl.policies import reads
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ class Shards:
         self.cpus = cpus_per_actor
         self.per_actor = per_actor
         payload = settings.model_dump(mode="json")
-        if payload["policy"]["n_threads"] is None:  # llama.cpp / torch threads: the actor's share, not the node's
+        # llama.cpp / torch threads: the actor's share, not the node's (a bot or a server has none)
+        if payload["policy"]["n_threads"] is None and reads(settings.policy.kind, "n_threads"):
             payload["policy"]["n_threads"] = max(1, math.floor(cpus_per_actor))
         self._payload = payload
         self._remote = ray.remote(ShardPlayer)

@@ -32,6 +32,7 @@ from blackjack_rl.api.dblock import DatabaseInUse
 from blackjack_rl.config import Settings
 from blackjack_rl.jobs.serve import ServeStats
 from blackjack_rl.cluster import ClusterError, connected, node_failure_errors, task_error
+from blackjack_rl.policies import reads
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class Supervisor:
             payload = settings.model_dump(mode="json")
             payload["serve"]["worker_id"] = wid
             payload["out"] = str(Path(settings.out) / wid)
-            if payload["policy"]["n_threads"] is None:
+            if payload["policy"]["n_threads"] is None and reads(settings.policy.kind, "n_threads"):
                 payload["policy"]["n_threads"] = max(1, int(self.cpus))
             self.slots.append(_Slot(wid, payload))
         self.stopping = asyncio.Event()

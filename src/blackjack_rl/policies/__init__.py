@@ -117,6 +117,13 @@ def make_policy(settings: Settings) -> BuiltPolicy:
     return BuiltPolicy(bots[p.kind](), chat)
 
 
+def reads(kind: str, setting: str) -> bool:
+    """Whether `--policy kind` reads the policy setting (a PolicyConfig field), by the table above:
+    what fills in a default for a policy (a Ray actor's threads) asks this first."""
+    readers = _READ_BY.get(setting)
+    return readers is None or kind in readers[1]
+
+
 def check_supported(p: PolicyConfig) -> None:
     """Refuse, in one line naming the policy and the fix, a setting it would otherwise ignore."""
     kind = p.kind
