@@ -37,8 +37,8 @@ def cli_env(src: Path | None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(src if src is not None else ROOT / "src")
     env.pop("PYTHONSTARTUP", None)
-    # a user's commands import from cached bytecode; without it every run compiles each module it
-    # imports from source (~0.1 s of a command's start-up here), which no user waits for twice
+    # a user's commands import from cached bytecode; without it every timed run would compile each
+    # module it imports from source, a cost no user pays twice
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 

@@ -12,9 +12,8 @@
 # The suite runs in BLACKJACK_RL_TEST_WORKERS pytest-xdist workers (default 2; 0: one process): most
 # tests wait on a subprocess, a server or a lone Python thread, so one process leaves a core idle.
 # Each test file stays on one worker (--dist loadfile), so its module fixtures load once. xdist hands
-# the files out by their number of tests, many first, which mixes long files with quick ones: handing
-# the long ones out first instead ran two model-heavy files side by side and took 15.3 minutes of
-# pytest against 13.7 (README, Tests).
+# the files out by their number of tests, many first, which mixes long files with quick ones; handing
+# the long ones out first ran two model-heavy files side by side and was slower (README, Tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
@@ -49,8 +48,8 @@ install_main() {
     "$VENV/bin/python" -m pip install --no-compile --no-deps "atroposlib==0.4.0"
 }
 
-# The two installs are mostly unpacking and waiting on the index, so they run side by side (~75 s
-# against ~100 one after the other) once pip's cache holds the llama-cpp-python wheel both need.
+# The two installs are mostly unpacking and waiting on the index, so they run side by side once
+# pip's cache holds the llama-cpp-python wheel both need (timings: README, Tests).
 # Until then they run one after the other, so that it is compiled once, not twice at once.
 LLAMA_WHEEL="llama_cpp_python-$(sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml | head -n 1)-"
 if "$PYTHON" -m pip cache list 2>/dev/null | grep -qF "$LLAMA_WHEEL"; then
@@ -58,13 +57,14 @@ if "$PYTHON" -m pip cache list 2>/dev/null | grep -qF "$LLAMA_WHEEL"; then
     install_vf04 >"$VF04_LOG" 2>&1 &
     VF04_PID=$!
     install_main
-    if ! wait "$VF04_PID"; then
-        cat "$VF04_LOG"
+    VF04_RC=0
+    wait "$VF04_PID" || VF04_RC=$?
+    cat "$VF04_LOG"
+    rm -f "$VF04_LOG"
+    if [ "$VF04_RC" -ne 0 ]; then
         echo "the verifiers 0.4 environment ($VF04_VENV) failed to install (its output is above)" >&2
         exit 1
     fi
-    cat "$VF04_LOG"
-    rm -f "$VF04_LOG"
 else
     install_vf04
     install_main
