@@ -96,3 +96,14 @@ def test_q_values_agree_with_gymnasium_from_a_fixed_state():
         r = np.asarray(rewards)
         se = r.std(ddof=1) / math.sqrt(len(r))
         assert abs(r.mean() - s.q_values((16, 10, False))[action]) < 4 * se
+
+
+def test_a_rule_set_is_solved_once_and_its_solution_cannot_be_changed():
+    """Players, reports and baselines share one Solution per rule set, so none may alter it."""
+    import dataclasses
+
+    s = solve()
+    assert solve(Rules()) is s and solve(Rules(natural=True)) is not s
+    assert baselines()["optimal"] == s.start
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.start = baselines()["always_stick"]  # type: ignore[misc]

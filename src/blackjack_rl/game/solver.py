@@ -12,7 +12,7 @@ two-card natural, which matters only under the `natural` and `sab` rules.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from blackjack_rl.game.table import HIT, STICK, Observation, Rules
@@ -97,6 +97,7 @@ def _stick_reward(player_sum: int, natural: bool, dealer_idx: int, rules: Rules)
     return base
 
 
+@lru_cache(maxsize=None)  # a few hundred states per rule set, asked for by every exact computation
 def stick_outcome(player_sum: int, dealer_card: int, natural: bool, rules: Rules) -> Outcome:
     value = win = draw = loss = 0.0
     for idx, p in enumerate(dealer_final(dealer_card)):
@@ -119,9 +120,9 @@ def after_hit(player_sum: int, usable_ace: bool, card: int) -> tuple[int, bool]:
     return (raw + 10 if soft else raw), soft
 
 
-@dataclass
+@dataclass(frozen=True)
 class Solution:
-    """V*, Q* and the optimal policy for one set of rules."""
+    """V*, Q* and the optimal policy for one set of rules; shared, so never changed once solved."""
 
     rules: Rules
     q: dict[StateKey, tuple[float, float]] = field(repr=False)  # (Q[stick], Q[hit])
@@ -161,7 +162,11 @@ def _all_states() -> list[StateKey]:
 
 
 def solve(rules: Rules | None = None) -> Solution:
-    rules = rules or Rules()
+    return _solve(rules or Rules())
+
+
+@lru_cache(maxsize=None)  # one command asks for it more than once (the players, the report's baselines)
+def _solve(rules: Rules) -> Solution:
     q: dict[StateKey, tuple[float, float]] = {}
 
     def value(s: int, d: int, u: bool, n: bool) -> float:
@@ -177,9 +182,8 @@ def solve(rules: Rules | None = None) -> Solution:
 
     for key in _all_states():
         value(*key)
-    solution = Solution(rules, q, Outcome(0.0, 0.0, 0.0, 0.0))
-    solution.start = policy_outcome(rules, lambda s, d, u, n: float(solution.best_action((s, d, u), n)))
-    return solution
+    unscored = Solution(rules, q, Outcome(0.0, 0.0, 0.0, 0.0))
+    return replace(unscored, start=policy_outcome(rules, lambda s, d, u, n: float(unscored.best_action((s, d, u), n))))
 
 
 def policy_outcome(rules: Rules, hit_probability) -> Outcome:
