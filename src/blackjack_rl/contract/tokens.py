@@ -72,8 +72,12 @@ class LlamaCppTokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> "LlamaCppTokenizer":
         from llama_cpp import Llama
+        from llama_cpp._utils import suppress_stdout_stderr  # private: llama-cpp-python is pinned
 
-        llama = Llama(model_path=str(path), vocab_only=True, verbose=False)
+        # A vocabulary-only model still gets a context, and llama.cpp warns on stderr, past the
+        # verbose flag, that its 512 cells exceed the 0 it was "trained" on: noise on every bot run.
+        with suppress_stdout_stderr(disable=False):
+            llama = Llama(model_path=str(path), vocab_only=True, verbose=False)
         return cls(llama, Path(path).name)
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
