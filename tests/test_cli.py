@@ -103,8 +103,9 @@ def test_evaluate_uses_the_same_deals_for_every_policy(tmp_path):
 
 
 def test_threshold_bot_and_rules_flags(tmp_path):
-    run("evaluate", "--policy", "threshold", "--threshold", "12", "--episodes", "400", "--natural",
-        "--out", str(tmp_path), "--quiet")
+    proc = run("evaluate", "--policy", "threshold", "--threshold", "12", "--episodes", "400", "--natural",
+               "--out", str(tmp_path), "--quiet")
+    assert proc.stderr == ""  # a bot reads the embedded model's vocabulary: llama.cpp's warnings stay out
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["rules"]["natural"] is True and m["policy"]["policy"] == "threshold-12"
     assert m["decision_accuracy"]["rate"] < 1.0
@@ -266,3 +267,36 @@ def test_serve_stops_retrying_an_api_at_its_register_timeout(tmp_path):
                               capture_output=True, text=True, timeout=120)
     assert "register-env" in _one_error_line(proc)
     assert api.posts <= 4, api.posts  # (on a machine slow enough, even the first may not arrive in time)
+
+
+# Every command that writes a folder proves it writable before it loads a model or plays: the model
+# path below does not exist, so a command that loaded first would name the model instead.
+OUT_FIRST = {
+    "evaluate": ["evaluate", "--episodes", "2"],
+    "process": ["process", "--groups", "1"],
+    "grid": ["grid"],
+    "fidelity": ["fidelity", "GROUPS"],
+    "serve": ["serve", "--api-url", "http://127.0.0.1:9"],
+    "train": ["train", "--steps", "1"],
+}
+
+
+@pytest.mark.parametrize("command", list(OUT_FIRST))
+def test_an_unwritable_output_folder_is_refused_before_any_model_loads(command, tmp_path):
+    args = [str(_file(tmp_path)) if a == "GROUPS" else a for a in OUT_FIRST[command]]
+    model = ["--model-path", str(tmp_path / ("no-model.gguf" if command != "train" else "no-model"))]
+    proc = subprocess.run([*CLI, *args, *model, "--out", str(_file(tmp_path) / "run"), "--quiet"],
+                          capture_output=True, text=True, timeout=120)
+    assert "cannot write to the output folder" in _one_error_line(proc)
+
+
+def test_a_recipe_run_and_a_resumed_run_check_their_folders_before_the_model_loads(tmp_path):
+    proc = subprocess.run([*CLI, "train", "--recipe", "three-phase", "--out", str(_file(tmp_path) / "run")],
+                          capture_output=True, text=True, timeout=120)
+    assert "cannot write to the output folder" in _one_error_line(proc)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = subprocess.run([*CLI, "train", "--resume", str(empty), "--model-path",
+                           str(tmp_path / "no-model"), "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)
+    assert "not a checkpoint with trainer state" in _one_error_line(proc)

@@ -169,20 +169,9 @@ def _cmd_solve(args: argparse.Namespace, console: Console) -> int:
 
 
 def _with_player(settings, job):
-    """Build the player the settings describe, run `job(player)`, and always close the policy."""
-    import asyncio
+    from blackjack_rl.rollout.players import run_with_player
 
-    from blackjack_rl.rollout.players import build_player
-
-    player = build_player(settings)
-
-    async def main():
-        try:
-            return await job(player)
-        finally:
-            await player.policy.aclose()
-
-    return asyncio.run(main())
+    return run_with_player(settings, job)
 
 
 def _shards(settings):

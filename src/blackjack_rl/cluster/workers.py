@@ -53,19 +53,11 @@ class ServeWorker:
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def run(self) -> ServeStats:
-        from blackjack_rl.rollout.players import build_player
+        from blackjack_rl.rollout.players import run_with_player
         from blackjack_rl.jobs.serve import serve
 
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-
-        async def main() -> ServeStats:
-            player = build_player(self.settings)
-            try:
-                return await serve(self.settings, player)
-            finally:
-                await player.policy.aclose()
-
-        return asyncio.run(main())
+        return run_with_player(self.settings, lambda player: serve(self.settings, player))
 
 
 def _terminate(pid: int) -> bool:

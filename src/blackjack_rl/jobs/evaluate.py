@@ -62,16 +62,6 @@ async def run_evaluate(settings: Settings, player: Player, progress: bool = True
 def evaluate_settings(settings: Settings, progress: bool = True, play: EpisodeSource | None = None) -> Metrics:
     """`evaluate` as a whole: build the player the settings describe, play, write, and always
     close the player (a llama.cpp model or a server pool holds threads and sockets)."""
-    import asyncio
+    from blackjack_rl.rollout.players import run_with_player
 
-    from blackjack_rl.rollout.players import build_player
-
-    player = build_player(settings)
-
-    async def main() -> Metrics:
-        try:
-            return await run_evaluate(settings, player, progress, play)
-        finally:
-            await player.policy.aclose()
-
-    return asyncio.run(main())
+    return run_with_player(settings, lambda player: run_evaluate(settings, player, progress, play))

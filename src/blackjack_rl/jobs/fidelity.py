@@ -17,6 +17,7 @@ from typing import Any
 from blackjack_rl.contract.records import ScoredDataGroup, sequence_records
 from blackjack_rl.measure.fidelity import CreditSample, FidelityScores, credit_samples, exact_truths, score_samples
 from blackjack_rl.measure.probe import node_policy
+from blackjack_rl.outputs import prepare_folder, write_text
 from blackjack_rl.policies.base import KnowsItsPolicy
 from blackjack_rl.rollout.players import Player
 
@@ -107,17 +108,15 @@ async def exact_fidelity(samples: list[CreditSample], player: Player, *, budget:
 
 async def run_fidelity(path: Path, player: Player, out: Path, *, max_decisions: int = 2_000,
                        budget: int = FIDELITY_BUDGET, target_width: float = 0.002, scale: bool = True) -> FidelityRun:
+    prepare_folder(out, "fidelity.json")  # before minutes of scoring
     t0 = time.perf_counter()
     samples, groups = read_samples(path, player, max_decisions, scale)
     fidelity = await exact_fidelity(samples, player, budget=budget, target_width=target_width)
     run = FidelityRun(fidelity.scores, groups, fidelity.histories, fidelity.max_width, time.perf_counter() - t0,
                       out / "fidelity.json")
-    out.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {
         "groups_file": str(path), "policy": player.policy.generation_params(), "groups": groups,
         "budget": budget, "seconds": run.seconds, **fidelity.to_dict(),
     }
-    tmp = run.out_file.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(run.out_file)
+    write_text(run.out_file, json.dumps(doc, indent=2) + "\n")
     return run

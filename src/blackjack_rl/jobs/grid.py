@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from blackjack_rl.measure.grid import GridEvaluation, evaluate_grid
 from blackjack_rl.measure.probe import exact_game, probe_policy
+from blackjack_rl.outputs import prepare_folder, write_text
 from blackjack_rl.rollout.players import Player
 
 
@@ -32,6 +33,7 @@ async def run_grid(out: Path, player: Player, progress: bool = True, game_budget
     unless `game_budget` is 0: a trained model's tree takes minutes where its chart takes one or two."""
     from blackjack_rl.report.gridpage import write_grid_page
 
+    prepare_folder(out, "grid.json")  # before minutes of work; grid.json, written last, marks a finished chart
     t0 = time.perf_counter()
     probe = await probe_policy(player)
     seconds = time.perf_counter() - t0
@@ -44,12 +46,9 @@ async def run_grid(out: Path, player: Player, progress: bool = True, game_budget
 
     game = await exact_game(player, game_budget, probe=probe, progress=advance)
     bar.close()
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"policy": player.policy.generation_params(), "temperature": probe.temperature, "seconds": seconds,
             "p_calls": sum(probe.p_calls.values()) / len(probe.p_calls) if probe.p_calls else None,
             "whole_game": game}
-    tmp = out / "grid.json.tmp"
-    tmp.write_text(json.dumps({**g.to_dict(), **meta}, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(out / "grid.json")
     page = write_grid_page(out / "grid.html", f"Strategy chart of {player.policy.name}", g, player.solution, meta)
+    write_text(out / "grid.json", json.dumps({**g.to_dict(), **meta}, indent=2) + "\n")
     return GridRun(g, meta, page, seconds)

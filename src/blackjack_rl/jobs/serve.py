@@ -37,6 +37,7 @@ from blackjack_rl.config import Settings
 from blackjack_rl.jobs.fidelity import PROBE_BUDGET, PROBE_WIDTH, exact_fidelity, samples_of
 from blackjack_rl.measure.evaluation import compute_metrics
 from blackjack_rl.measure.probe import can_probe
+from blackjack_rl.outputs import prepare_folder
 from blackjack_rl.rollout.core import GroupResult
 from blackjack_rl.rollout.players import Player
 from blackjack_rl.rollout.runner import DealResult, DealRunner, Tally
@@ -393,8 +394,7 @@ class Worker:
 
 
 async def serve(settings: Settings, player: Player, wandb_run: Any | None = None) -> ServeStats:
-    out = Path(settings.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_folder(settings.out)
     metrics = MetricsLog(out / "serve_metrics.jsonl", wandb_run)
     try:
         client = EnvClient(settings.serve.api_url, token=settings.serve.api_token, outbox=out / "outbox.sqlite")

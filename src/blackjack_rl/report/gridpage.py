@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from blackjack_rl.measure.grid import GridEvaluation
 from blackjack_rl.game.solver import DEALER_CARDS, HARD_SUMS, HIT, SOFT_SUMS, Solution
+from blackjack_rl.outputs import write_text
 from blackjack_rl.report.html import environment
 
 
@@ -43,7 +44,4 @@ def render_grid_page(title: str, evaluation: GridEvaluation, solution: Solution,
 
 def write_grid_page(path: Path, title: str, evaluation: GridEvaluation, solution: Solution,
                     meta: Mapping[str, Any]) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render_grid_page(title, evaluation, solution, meta), encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return write_text(path, render_grid_page(title, evaluation, solution, meta))

@@ -6,17 +6,22 @@ builds its player with `build_player`, so they all play the same thing for the s
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable, TypeVar
 
 from blackjack_rl.config import Settings
 from blackjack_rl.contract.tokens import ChatFormat
 from blackjack_rl.env import opening_messages
 from blackjack_rl.game.solver import Solution, solve
 from blackjack_rl.game.table import Rules, Table
+from blackjack_rl.outputs import prepare_folder
 from blackjack_rl.policies import make_policy, sampling_of
 from blackjack_rl.policies.base import AnswersMany, Policy, Reply, Turn, answers_at_once
 from blackjack_rl.rollout.core import EpisodeSettings
 from blackjack_rl.rollout.episodes import Episode, play_episode, sampling_seed
+
+T = TypeVar("T")
 
 
 class TablePool:
@@ -92,3 +97,19 @@ def episode_settings(settings: Settings) -> EpisodeSettings:
 def build_player(settings: Settings) -> Player:
     built = make_policy(settings)
     return Player(built.policy, built.chat, solve(settings.game.rules), episode_settings(settings))
+
+
+def run_with_player(settings: Settings, job: Callable[[Player], Awaitable[T]]) -> T:
+    """Build the player the settings describe, run `job(player)` to its end, and always close the
+    policy (a llama.cpp model or a server pool holds threads and sockets). The output folder is
+    proved writable first: a model loads in seconds, and a chart or a training run takes minutes."""
+    prepare_folder(settings.out)
+    player = build_player(settings)
+
+    async def main() -> T:
+        try:
+            return await job(player)
+        finally:
+            await player.policy.aclose()
+
+    return asyncio.run(main())

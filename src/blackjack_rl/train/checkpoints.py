@@ -58,12 +58,17 @@ def save(model: Any, tokenizer: HFTokenizer, path: Path, state: dict[str, Any] |
         tmp.replace(path / STATE)
 
 
-def load_trainer_state(path: Path) -> dict[str, Any]:
+def check_resumable(path: str | Path) -> Path:
+    """The trainer-state file of the checkpoint in `path`; asked before the model loads (seconds)."""
     file = Path(path) / STATE
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint with trainer state (no {STATE}); "
                                 "checkpoints are written by --save-every")
-    return torch.load(file, weights_only=False)
+    return file
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    return torch.load(check_resumable(path), weights_only=False)
 
 
 def restore(path: Path, model: Any, optimizer: torch.optim.Optimizer, source: GroupSource, *,

@@ -109,9 +109,15 @@ def cmd_train(settings: Any, console: Console, argv: list[str], given: dict[str,
 
         console.print_json(json.dumps(effective(settings)))
         return 0
+    from blackjack_rl.outputs import prepare_folder
     from blackjack_rl.rollout.players import build_player
     from blackjack_rl.train.trainer import run_training
 
+    if settings.train.resume is not None:
+        from blackjack_rl.train.checkpoints import check_resumable
+
+        check_resumable(settings.train.resume)
+    prepare_folder(settings.out)
     player = build_player(settings)
     result = run_training(settings, player, argv, progress=lambda line: print(line, flush=True))
     if len(result.evals) >= 2:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from blackjack_rl.config import GroupConfig, PolicyConfig, Settings
-from blackjack_rl.outputs import write_text
+from blackjack_rl.outputs import prepare_folder, write_text
 from blackjack_rl.train.recipe import Recipe, parse_recipe, phase_settings
 
 RECIPE, RUN, DONE, REPORT = "recipe.yaml", "run.json", "phase.json", "report.json"
@@ -52,7 +52,7 @@ def start_run(text: str, source: str, out: Path, seed: int, threads: int | None)
     if (out / RECIPE).exists():
         raise ValueError(f"{out} already holds a recipe run: continue it with `blackjack-rl train --resume {out}`, "
                          "or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_folder(out)
     write_text(out / RECIPE, text)
     write_text(out / RUN, json.dumps({"recipe": recipe.name, "version": recipe.version, "signal": recipe.signal,
                                       "seed": seed, "threads": threads}, indent=2) + "\n")

@@ -40,6 +40,7 @@ from blackjack_rl.model.forward import causal_lm
 from blackjack_rl.model.io import add_lora, export_model, load_adapter_weights, save_adapter
 from blackjack_rl.model.logprobs import token_logprobs
 from blackjack_rl.model.lora_stack import adapter_files, fold_adapter
+from blackjack_rl.outputs import prepare_folder
 from blackjack_rl.policies.torch.policy import TorchPolicy
 from blackjack_rl.rollout.players import Player
 from blackjack_rl.rollout.runner import probe_seeds
@@ -201,7 +202,7 @@ class Trainer:
         self._warn_short_answers()
 
     def _write_run_files(self, argv: Sequence[str]) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
+        prepare_folder(self.out)
         (self.out / "command.txt").write_text("blackjack-rl " + shlex.join(portable_argv(list(argv), self.out))
                                               + "\n", encoding="utf-8")
         values = portable_values(self.settings.model_dump(mode="json"), self.out)
