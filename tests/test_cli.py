@@ -300,3 +300,16 @@ def test_a_recipe_run_and_a_resumed_run_check_their_folders_before_the_model_loa
                            str(tmp_path / "no-model"), "--out", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=120)
     assert "not a checkpoint with trainer state" in _one_error_line(proc)
+
+
+@pytest.mark.parametrize("args", [
+    ["serve", "--policy", "optimal", "--api-url", "notaurl"],
+    ["train", "--source", "api", "--api-url", "localhost:8000", "--steps", "1"],
+    ["evaluate", "--policy", "openai", "--model", "m", "--base-url", "ftp://host/v1"],
+    ["evaluate", "--policy", "openai", "--model", "m", "--base-url", "http://host:99999/v1"],
+    ["process", "--policy", "openai", "--model", "m", "--server", "http://:8000/v1"],
+])
+def test_a_server_address_that_is_not_an_http_url_is_refused_before_any_request(args, tmp_path):
+    proc = subprocess.run([*CLI, *args, "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    line = _one_error_line(proc)
+    assert "URL" in line and args[-1 if args[0] != "train" else -3] in line and "Value error" not in line

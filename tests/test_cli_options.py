@@ -167,6 +167,8 @@ def sample(option: Option, field) -> tuple[list[str], Any]:
     if kind in (int, float):
         value = _number(field, kind)
         return [option.flag, str(value)], value
+    if option.flag.endswith("-url"):
+        return [option.flag, "http://127.0.0.1:9/a-value"], "http://127.0.0.1:9/a-value"
     return [option.flag, "a-value"], "a-value"
 
 

@@ -257,6 +257,9 @@ def validation_error(exc: ValidationError, options: Iterable[Option] = ()) -> st
         loc = tuple(str(part) for part in error["loc"])
         flag = next((flags[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in flags), None)
         name = ".".join(loc) or "settings"
-        parts.append(f"{name}{f' ({flag})' if flag else ''}: {error['msg']}")
+        # a validator's own ValueError says what is wrong in full; pydantic prefixes it "Value error, "
+        msg = str(error["ctx"]["error"]) if error["type"] == "value_error" and "error" in error.get("ctx", {}) \
+            else error["msg"]
+        parts.append(f"{name}{f' ({flag})' if flag else ''}: {msg}")
     return "; ".join(parts)
 

@@ -9,9 +9,9 @@ the embedded model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
 
 if TYPE_CHECKING:  # game.py imports Gymnasium, which the command line's help and `api` do not need
@@ -21,6 +21,24 @@ if TYPE_CHECKING:  # game.py imports Gymnasium, which the command line's help an
 StructuredOutput = Literal["json_schema", "json_object", "structured_outputs", "guided_json", "tool_choice"]
 
 PolicyKind = Literal["embedded", "openai", "optimal", "threshold", "random", "hf"]
+
+
+def _http_url(text: str) -> str:
+    """A server's address is refused here, in one line, rather than by the HTTP client after its
+    retries (serve spent ~20 s retrying `--api-url notaurl`)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises on a port that is not a number in range
+    except ValueError as exc:
+        raise ValueError(f"{text!r} is not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{text!r} is not an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000")
+    return text
+
+
+HttpUrlText = Annotated[str, AfterValidator(_http_url)]
 
 
 class _Section(BaseModel):
@@ -58,7 +76,7 @@ def parse_server(text: str) -> tuple[str, float]:
 class ServerConfig(_Section):
     """One inference server of a pool; in YAML a mapping, or the string `URL[,WEIGHT]` like --server."""
 
-    url: str
+    url: HttpUrlText
     weight: float = Field(1.0, gt=0, description="share of the load relative to the other servers")
     max_concurrency: int | None = Field(None, ge=1, description="requests in flight at once (default: the pool's)")
 
@@ -87,7 +105,7 @@ class PolicyConfig(_Section):
     model_path: str | None = Field(
         None, description="a GGUF for the embedded policy, or a GGUF or a model folder saved by `train` for hf "
                           "(default: SmolLM2-135M-Instruct)", json_schema_extra={"metavar": "PATH"})
-    base_url: str = Field("http://127.0.0.1:8000/v1", description="the OpenAI-compatible server")
+    base_url: HttpUrlText = Field("http://127.0.0.1:8000/v1", description="the OpenAI-compatible server")
     model: str | None = Field(None, description="model name on the server")
     api_key: str | None = Field(None, description="server API key (or BLACKJACK_RL_POLICY__API_KEY)")
     tokenizer: str | None = Field(
@@ -351,7 +369,7 @@ class ProcessConfig(_Section):
 class ServeConfig(_Section):
     """`serve`: the environment worker that feeds the trajectory API."""
 
-    api_url: str = Field("http://127.0.0.1:8000", description="the trajectory API")
+    api_url: HttpUrlText = Field("http://127.0.0.1:8000", description="the trajectory API")
     api_token: str | None = Field(None, description="bearer token of the API (or BLACKJACK_RL_SERVE__API_TOKEN)")
     env_name: str = Field("blackjack", description="name to register under")
     worker_id: str | None = Field(None, description="names this worker: mixed into the deal seeds so workers play "
@@ -459,7 +477,7 @@ class TrainConfig(_Section):
                                       json_schema_extra={"metavar": "DIR"})
     max_minutes: float | None = Field(None, gt=0, description="stop after this many minutes of training (charts and "
                                                               "evaluations not counted), then evaluate and save")
-    api_url: str = Field("http://127.0.0.1:8000", description="api: the trajectory API")
+    api_url: HttpUrlText = Field("http://127.0.0.1:8000", description="api: the trajectory API")
     api_token: str | None = Field(None, description="api: bearer token (or BLACKJACK_RL_TRAIN__API_TOKEN)")
     batch_size: int | None = Field(None, ge=1, description="api: sequences per batch (default deals_per_step x group_size)")
     batch_timeout: float = Field(600.0, gt=0, description="api: seconds to wait for a batch")
