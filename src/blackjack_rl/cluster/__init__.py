@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from typing import Any, Iterator
+from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,8 @@ def connected(address: str) -> Iterator[Any]:
         yield ray
         return
     kwargs: dict[str, Any] = {"log_to_driver": False, "include_dashboard": False, "namespace": NAMESPACE}
+    if address not in (LOCAL, "auto"):
+        _check_reachable(address)
     if address == LOCAL:  # a new instance even when this machine already runs a cluster
         ray.init(address="local", **kwargs)
     else:
@@ -62,6 +66,24 @@ def connected(address: str) -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """One connection to the cluster's port before Ray is asked to join it: for an address where
+    nothing listens, ray.init retries for minutes, printing a warning every few seconds."""
+    try:
+        parts = urlsplit(address if "://" in address else f"//{address}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host = port = None
+    if not host or port is None:
+        raise ValueError(f"--ray {address}: expected HOST:PORT (the head's GCS port, e.g. 10.0.0.5:6379), "
+                         "ray://HOST:PORT, auto, or no address to start a local cluster")
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ValueError(f"--ray {address}: no Ray cluster answers there ({exc.strerror or exc}); start one with "
+                         "`ray start --head`, or give no address to start a local one") from None
 
 
 def node_failure_errors(ray: Any) -> tuple[type[BaseException], ...]:
