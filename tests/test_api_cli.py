@@ -96,6 +96,12 @@ def test_a_database_that_is_a_directory_is_one_line(tmp_path: Path) -> None:
     assert run.returncode == 1 and "is not a file" in run.stderr and "Traceback" not in run.stderr
 
 
+def test_a_database_under_a_file_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("x")
+    run = run_api_cli(tmp_path / "a-file" / "sub" / "db.sqlite")
+    assert run.returncode == 1 and run.stderr.strip().endswith(f"{tmp_path / 'a-file'} is a file, not a folder")
+
+
 @pytest.mark.parametrize("content", [b"this is not an SQLite database" * 100, b"SQLite format 3\x00" + b"\xff" * 5000])
 def test_a_damaged_database_is_one_line(tmp_path: Path, content: bytes) -> None:
     db = tmp_path / "damaged.sqlite"

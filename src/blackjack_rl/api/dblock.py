@@ -47,7 +47,9 @@ class DatabaseLock:
             self._handle: BinaryIO | None = open(path, "ab")  # noqa: SIM115 - held until release(); creates the file
             self.identity = _identity(path)
         except OSError as exc:
-            raise DatabaseInUse(f"cannot open {path}: {exc.strerror or exc}") from None
+            file = next((p for p in path.parents if p.is_file()), None)  # mkdir's EEXIST would not say which
+            why = f"{file} is a file, not a folder" if file is not None else exc.strerror or exc
+            raise DatabaseInUse(f"cannot open {path}: {why}") from None
         if fcntl is not None:
             try:
                 fcntl.flock(self._handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
