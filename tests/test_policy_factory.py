@@ -259,6 +259,8 @@ def test_check_supported_accepts_what_each_policy_honours():
     (["--policy", "openai", "--model", "m", "--server-concurrency", "8", "--tokenizer", "GGUF"],
      ("--server-concurrency", "--base-url")),
     (["--policy", "random", "--timeout", "5"], ("--timeout", "--policy random")),
+    (["--threads", "4096"], ("--threads 4096", "cores")),  # llama.cpp would crawl: threads spin on 2 cores
+    (["--policy", "hf", "--threads", "4096"], ("--threads 4096", "cores")),
     (["--policy", "openai", "--model", "m", "--server", "http://127.0.0.1:9/v1", "--token-path", "completions",
       "--constrained", "--structured-output", "tool_choice", "--tokenizer", "GGUF"], ("tool_choice",)),
 ])

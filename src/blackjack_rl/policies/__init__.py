@@ -65,6 +65,7 @@ def make_policy(settings: Settings) -> BuiltPolicy:
     the chosen policy cannot honour."""
     p = settings.policy
     check_supported(p)
+    _check_threads(p)
     sampling = sampling_of(settings)
     if p.kind == "hf":
         from blackjack_rl.policies.torch.policy import TorchPolicy  # needs the `train` extra (torch)
@@ -115,6 +116,18 @@ def make_policy(settings: Settings) -> BuiltPolicy:
     bots = {"optimal": lambda: OptimalBot(solve(settings.game.rules)),
             "threshold": lambda: ThresholdBot(p.threshold), "random": RandomBot}
     return BuiltPolicy(bots[p.kind](), chat)
+
+
+def _check_threads(p: PolicyConfig) -> None:
+    """More threads than this process's cores is refused where the model loads (a Ray actor checks
+    its own node): llama.cpp's and torch's threads wait for each other by spinning, so the excess
+    slows every token (one embedded episode at --threads 1000 on 2 cores ran for minutes)."""
+    from blackjack_rl.threads import usable_cpus
+
+    cpus = usable_cpus()
+    if p.n_threads is not None and p.n_threads > cpus:
+        raise ValueError(f"--threads {p.n_threads}: this process may use {cpus} cores, and threads beyond them "
+                         f"spin while they wait: use --threads {cpus} or fewer, or leave it out (one per free core)")
 
 
 def reads(kind: str, setting: str) -> bool:
