@@ -130,6 +130,8 @@ def test_bad_settings_give_a_clear_error():
     assert proc.returncode == 2 and "--model" in proc.stderr
     proc = run("evaluate", "--config", "/nonexistent.yaml", check=False)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+    proc = run("evaluate", "--config", "/", check=False)
+    assert proc.returncode == 2 and "is a folder" in proc.stderr
 
 
 @pytest.mark.embedded

@@ -524,7 +524,8 @@ class Settings(BaseSettings):
 def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
     """Merge defaults < YAML file < environment < `overrides` (the command line)."""
     if config_file is not None and not Path(config_file).is_file():
-        raise FileNotFoundError(f"config file {config_file} does not exist")
+        raise FileNotFoundError(f"config file {config_file} " + ("is a folder: pass a YAML file" if Path(config_file).is_dir()
+                                                                 else "does not exist"))
 
     class _Loaded(Settings):
         @classmethod
