@@ -52,6 +52,7 @@ def test_a_shipped_adapter_is_named_after_its_recipe_and_over_the_embedded_base(
 @pytest.mark.parametrize("argv, says", [
     (["--versus-base"], "add --lora"),
     (["--lora", "no-such-adapter"], "shipped adapters: three-phase, whole-game"),
+    (["--lora", "whole-game", "--versus-base", "--no-samples"], "drop --no-samples"),  # before either model plays
 ])
 def test_wrong_adapter_options_are_one_line(tmp_path, argv, says):
     run = run_cli("evaluate", *argv, "--episodes", "2", "--out", str(tmp_path / "o"), cwd=tmp_path)

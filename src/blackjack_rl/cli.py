@@ -209,6 +209,8 @@ def _cmd_evaluate(args: argparse.Namespace, console: Console) -> int:
     if settings.evaluate.game_budget is not None and not settings.evaluate.grid:
         raise ValueError("--game-budget sizes the whole game that --grid reads after the chart: add --grid")
     if settings.evaluate.versus_base:
+        if not settings.evaluate.samples:  # refused before minutes of play, not by compare after them
+            raise ValueError("--versus-base pairs the two runs deal by deal from their samples.jsonl: drop --no-samples")
         return _versus_base(settings, args, console)
     metrics = _evaluate(settings, args)
     print_metrics(metrics, console)
