@@ -174,3 +174,24 @@ def test_limiter_at_one_does_not_deadlock(vocab_chat, solution):
             asyncio.gather(*(play_group(player, s, GroupConfig(group_size=4), limiter=limiter) for s in range(5))), timeout=30)
 
     assert all(r.group is not None for r in run(main()))
+
+
+def test_an_evaluation_keeps_only_its_concurrency_of_episodes_in_flight(vocab_chat, solution):
+    """Deals start as others end: a task per deal up front held a million of them before one played."""
+    from blackjack_rl.rollout.runner import DealRunner, run_evaluation
+
+    alive = []
+
+    def count(ep):
+        alive.append(len(asyncio.all_tasks()))
+
+    async def both():
+        player = Player(OptimalBot(solution), vocab_chat, solution, EpisodeSettings())
+        few = await DealRunner(player, GroupConfig(), 4).evaluation(300, on_episode=count)
+        one_by_one = await run_evaluation(player, 300, concurrency=1)
+        return few, one_by_one
+
+    few, one_by_one = run(both())
+    assert len(few) == 300 and max(alive) <= 4 + 1  # the episodes' tasks and the test's own
+    assert [ep.seed for ep in few] == [ep.seed for ep in one_by_one] == sorted(ep.seed for ep in few)
+    assert [ep.sample_row().to_json() for ep in few] == [ep.sample_row().to_json() for ep in one_by_one]
