@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 from functools import partial
 
 import pytest
@@ -207,6 +208,12 @@ def test_api_settings_from_the_environment_that_are_not_json_are_one_line():
     assert "BLACKJACK_RL_API_CORS_ORIGINS" in _one_error_line(proc)
 
 
+# The CLI as a terminal starts it, with Ctrl-C delivered: a shell that ran the test suite in the
+# background (`nohup ... &`) leaves SIGINT ignored in every child, and Python then keeps it ignored.
+INTERRUPTIBLE_CLI = [sys.executable, "-c", "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                     "runpy.run_module('blackjack_rl.cli', run_name='__main__', alter_sys=True)"]
+
+
 def _stop_when(server, proc, posts):
     """SIGINT once the server has answered `posts` requests (counted, so the run is surely under way)."""
     import signal
@@ -232,7 +239,7 @@ def test_a_stopped_run_leaves_no_file_that_looks_complete(tmp_path, gguf_path):
     slow = ["--policy", "openai", "--model", "m", "--tokenizer", str(gguf_path), "--concurrency", "1", "--quiet",
             "--out", str(out)]
     with CannedServer(chat_answer({"role": "assistant", "content": tool_call_text(STICK)}), delay_s=0.05) as server:
-        proc = subprocess.Popen([*CLI, "evaluate", *slow, "--base-url", server.url, "--episodes", "400"],
+        proc = subprocess.Popen([*INTERRUPTIBLE_CLI, "evaluate", *slow, "--base-url", server.url, "--episodes", "400"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         _, stderr = _stop_when(server, proc, 5)
         assert proc.returncode != 0 and "Traceback" not in stderr
@@ -240,7 +247,7 @@ def test_a_stopped_run_leaves_no_file_that_looks_complete(tmp_path, gguf_path):
         assert not left & {"metrics.json", "samples.jsonl", "report.html", "samples.jsonl.partial"}, left
 
         server.posts = 0
-        proc = subprocess.Popen([*CLI, "process", *slow, "--base-url", server.url, "--groups", "400",
+        proc = subprocess.Popen([*INTERRUPTIBLE_CLI, "process", *slow, "--base-url", server.url, "--groups", "400",
                                  "--group-size", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         _, stderr = _stop_when(server, proc, 5)
     assert proc.returncode != 0 and "Traceback" not in stderr
