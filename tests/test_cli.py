@@ -322,3 +322,14 @@ def test_a_server_address_that_is_not_an_http_url_is_refused_before_any_request(
     proc = subprocess.run([*CLI, *args, "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     line = _one_error_line(proc)
     assert "URL" in line and args[-1 if args[0] != "train" else -3] in line and "Value error" not in line
+
+
+@pytest.mark.parametrize("args", [
+    ["evaluate", "--seed", "5", "--episodes", "2"],  # the evaluation deals and their sampling seeds are fixed
+    ["grid", "--seed", "3"],
+    ["grid", "--concurrency", "4"],  # the chart reads probabilities; nothing plays at once
+])
+def test_a_flag_the_command_would_not_read_is_refused(args, tmp_path):
+    proc = subprocess.run([*CLI, *args, "--policy", "optimal", "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120)
+    assert f"{args[1]} is an option of" in _one_error_line(proc) and not (tmp_path / "o").exists()

@@ -33,14 +33,18 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 # What each command lets the command line set: a name is one settings field, or a section with
 # all its fields (cli_options.select). Flags, choices, help and defaults come from config.py;
 # what a command does not expose comes from --config, the environment or the defaults.
-PLAY = ("seed", "out", "policy", "episode", "game", "groups.concurrency", "evaluate.concurrency")
+# `--seed` deals process's and serve's groups; evaluate plays the fixed evaluation deals and grid
+# reads probabilities, so neither takes it, nor does grid take --concurrency.
+PLAY = ("out", "policy", "episode", "game")
+CONCURRENCY = ("groups.concurrency", "evaluate.concurrency")
 SHARDS = ("ray.address", "ray.actors", "ray.cpus")
 SETTINGS: dict[str, tuple[str, ...]] = {
     "solve": ("game.natural", "game.sab"),
-    "process": (*PLAY, "process", "groups", *SHARDS),
-    "evaluate": (*PLAY, "evaluate", *SHARDS),
+    "process": (*PLAY, "seed", *CONCURRENCY, "process", "groups", *SHARDS),
+    "evaluate": (*PLAY, *CONCURRENCY, "evaluate", *SHARDS),
     "grid": (*PLAY, "evaluate.game_budget"),
-    "serve": (*PLAY, "groups", "serve", "ray.address", "ray.workers", "ray.cpus", "ray.max_restarts"),
+    "serve": (*PLAY, "seed", *CONCURRENCY, "groups", "serve", "ray.address", "ray.workers", "ray.cpus",
+              "ray.max_restarts"),
     "train": TRAIN_SETTINGS,
     "fidelity": ("out", "policy", "episode.invalid_score", "episode.max_token_length", "game"),
 }
