@@ -328,8 +328,13 @@ def test_a_server_address_that_is_not_an_http_url_is_refused_before_any_request(
     ["evaluate", "--seed", "5", "--episodes", "2"],  # the evaluation deals and their sampling seeds are fixed
     ["grid", "--seed", "3"],
     ["grid", "--concurrency", "4"],  # the chart reads probabilities; nothing plays at once
+    ["grid", "--top-p", "0.9"],  # ... at the temperature alone, untruncated
+    ["grid", "--format-bonus", "0.1"],  # and scores an invalid answer as a forfeit
+    ["grid", "--invalid-retries", "2"],
+    ["fidelity", "--top-k", "5", "GROUPS"],
 ])
 def test_a_flag_the_command_would_not_read_is_refused(args, tmp_path):
+    args = [str(_file(tmp_path)) if a == "GROUPS" else a for a in args]
     proc = subprocess.run([*CLI, *args, "--policy", "optimal", "--out", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120)
     assert f"{args[1]} is an option of" in _one_error_line(proc) and not (tmp_path / "o").exists()

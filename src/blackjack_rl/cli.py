@@ -51,7 +51,12 @@ SETTINGS: dict[str, tuple[str, ...]] = {
 # balancing decisions weighs the trainer's batches, and a continuation snapshot lasts training steps:
 # process and serve have neither
 _TRAIN_ONLY = ("groups.balance_actions", "groups.balance_by", "groups.balance_later", "groups.rollout_refresh")
-WITHOUT: dict[str, tuple[str, ...]] = {"process": _TRAIN_ONLY, "serve": _TRAIN_ONLY}
+# The chart and the whole game read the two calls' probabilities at temperature alone (no truncation)
+# and score an invalid answer as a forfeit, with no format bonus or re-prompt (measure/probe.py)
+_NOT_IN_THE_CHART = ("policy.top_p", "policy.top_k", "policy.min_p", "episode.scoring", "episode.format_bonus",
+                     "episode.invalid_retries")
+WITHOUT: dict[str, tuple[str, ...]] = {"process": _TRAIN_ONLY, "serve": _TRAIN_ONLY, "grid": _NOT_IN_THE_CHART,
+                                       "fidelity": _NOT_IN_THE_CHART[:3]}
 
 
 def _add_settings(p: argparse.ArgumentParser, command: str) -> None:
