@@ -46,8 +46,8 @@ def cli_env(src: Path | None) -> dict[str, str]:
 def check_source(src: Path | None) -> None:
     """Fail loudly if PYTHONPATH does not win over the installed package (the numbers would lie),
     then compile the tree's bytecode, as an install does. Otherwise the first timed command of a
-    freshly unpacked baseline compiles its modules (~0.1 s of CPU): subtracted as part of the
-    smaller run, that made the baseline's marginal CPU per episode look ~0.1 ms lower."""
+    freshly unpacked baseline compiles its modules, and a row that subtracts two runs (marginal CPU
+    per episode) counts that compile against the smaller run only."""
     out = subprocess.run([sys.executable, "-c", "import blackjack_rl; print(blackjack_rl.__file__)"],
                          env=cli_env(src), capture_output=True, text=True, check=True).stdout.strip()
     want = (src if src is not None else ROOT / "src").resolve()

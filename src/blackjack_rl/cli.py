@@ -53,10 +53,10 @@ SETTINGS: dict[str, tuple[str, ...]] = {
 _TRAIN_ONLY = ("groups.balance_actions", "groups.balance_by", "groups.balance_later", "groups.rollout_refresh")
 # The chart and the whole game read the two calls' probabilities at temperature alone (no truncation)
 # and score an invalid answer as a forfeit, with no format bonus or re-prompt (measure/probe.py)
-_NOT_IN_THE_CHART = ("policy.top_p", "policy.top_k", "policy.min_p", "episode.scoring", "episode.format_bonus",
-                     "episode.invalid_retries")
+_TRUNCATION = ("policy.top_p", "policy.top_k", "policy.min_p")
+_NOT_IN_THE_CHART = (*_TRUNCATION, "episode.scoring", "episode.format_bonus", "episode.invalid_retries")
 WITHOUT: dict[str, tuple[str, ...]] = {"process": _TRAIN_ONLY, "serve": _TRAIN_ONLY, "grid": _NOT_IN_THE_CHART,
-                                       "fidelity": _NOT_IN_THE_CHART[:3]}
+                                       "fidelity": _TRUNCATION}
 
 
 def _add_settings(p: argparse.ArgumentParser, command: str) -> None:
@@ -177,12 +177,6 @@ def _cmd_solve(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _with_player(settings, job):
-    from blackjack_rl.rollout.players import run_with_player
-
-    return run_with_player(settings, job)
-
-
 def _shards(settings):
     """With --ray: the shard scheduler on that cluster (cluster.shards); else None, play here."""
     import contextlib
@@ -197,11 +191,12 @@ def _shards(settings):
 
 def _cmd_process(args: argparse.Namespace, console: Console) -> int:
     from blackjack_rl.jobs.process import run_process
+    from blackjack_rl.rollout.players import run_with_player
 
     settings = settings_from_args(args)
     with _shards(settings) as shards:
-        s = _with_player(settings, lambda player: run_process(settings, player, progress=not args.quiet,
-                                                              deals=shards and shards.deals))
+        s = run_with_player(settings, lambda player: run_process(settings, player, progress=not args.quiet,
+                                                                  deals=shards and shards.deals))
     t = s.tally
     console.print(
         f"Wrote {s.groups_written} groups ({t.sequences} sequences from {t.episodes} episodes, "
@@ -264,11 +259,12 @@ def _cmd_grid(args: argparse.Namespace, console: Console) -> int:
     from rich.markup import escape
 
     from blackjack_rl.jobs.grid import run_grid
+    from blackjack_rl.rollout.players import run_with_player
     from blackjack_rl.report.console import game_line, gap_line
 
     settings = settings_from_args(args)
-    run = _with_player(settings, lambda player: run_grid(Path(settings.out), player,
-                                                         game_budget=settings.evaluate.game_budget))
+    run = run_with_player(settings, lambda player: run_grid(Path(settings.out), player,
+                                                             game_budget=settings.evaluate.game_budget))
     g = run.grid
     console.print(f"exact value {g.value:+.4f} (optimal {g.optimal_value:+.4f}, regret {g.regret:.4f}); "
                   f"accuracy {100 * g.accuracy:.1f}% by visits, {100 * g.cell_accuracy:.1f}% by cell; "
@@ -285,15 +281,16 @@ def _cmd_fidelity(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     from blackjack_rl.jobs.fidelity import run_fidelity
+    from blackjack_rl.rollout.players import run_with_player
     from blackjack_rl.report.console import print_fidelity
 
     settings = settings_from_args(args)
     groups = Path(args.groups)
     if not groups.is_file():
         raise ValueError(f"{groups}: no such groups file")
-    run = _with_player(settings, lambda player: run_fidelity(groups, player, Path(settings.out),
-                                                             max_decisions=args.max_decisions,
-                                                             budget=args.tree_budget))
+    run = run_with_player(settings, lambda player: run_fidelity(groups, player, Path(settings.out),
+                                                                 max_decisions=args.max_decisions,
+                                                                 budget=args.tree_budget))
     print_fidelity(run, console)
     return 0
 
@@ -310,6 +307,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from blackjack_rl.jobs.serve import serve
+    from blackjack_rl.rollout.players import run_with_player
 
     settings = settings_from_args(args)
     if settings.ray.address is not None:
@@ -324,7 +322,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
             raise ValueError("--wandb-project needs wandb: pip install 'blackjack-rl[wandb]'") from exc
         wandb_run = wandb.init(project=args.wandb_project, config=settings.model_dump(mode="json"))
     logging.getLogger("blackjack_rl").setLevel(logging.INFO)
-    stats = _with_player(settings, lambda player: serve(settings, player, wandb_run))
+    stats = run_with_player(settings, lambda player: serve(settings, player, wandb_run))
     console.print(f"Sent {stats.groups_sent} groups ({stats.groups_parked} parked in {settings.out}/outbox.sqlite, "
                   f"{stats.groups_rejected} refused, dropped {stats.groups_dropped or 0}); "
                   f"{stats.episodes} episodes, {stats.episodes_failed} failed. Log: {settings.out}/serve_metrics.jsonl")

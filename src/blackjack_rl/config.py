@@ -24,8 +24,8 @@ PolicyKind = Literal["embedded", "openai", "optimal", "threshold", "random", "hf
 
 
 def _http_url(text: str) -> str:
-    """A server's address is refused here, in one line, rather than by the HTTP client after its
-    retries (serve spent ~20 s retrying `--api-url notaurl`)."""
+    """A server's address is refused here, in one line, rather than by the HTTP client after all
+    its retries."""
     from urllib.parse import urlsplit
 
     try:
@@ -524,8 +524,8 @@ class Settings(BaseSettings):
 def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
     """Merge defaults < YAML file < environment < `overrides` (the command line)."""
     if config_file is not None and not Path(config_file).is_file():
-        raise FileNotFoundError(f"config file {config_file} " + ("is a folder: pass a YAML file" if Path(config_file).is_dir()
-                                                                 else "does not exist"))
+        why = "is a folder: pass a YAML file" if Path(config_file).is_dir() else "does not exist"
+        raise FileNotFoundError(f"config file {config_file} {why}")
 
     class _Loaded(Settings):
         @classmethod

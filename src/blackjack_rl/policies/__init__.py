@@ -121,7 +121,7 @@ def make_policy(settings: Settings) -> BuiltPolicy:
 def _check_threads(p: PolicyConfig) -> None:
     """More threads than this process's cores is refused where the model loads (a Ray actor checks
     its own node): llama.cpp's and torch's threads wait for each other by spinning, so the excess
-    slows every token (one embedded episode at --threads 1000 on 2 cores ran for minutes)."""
+    slows every token."""
     from blackjack_rl.threads import usable_cpus
 
     cpus = usable_cpus()

@@ -200,7 +200,7 @@ class DealRunner:
         """The fixed evaluation deals first..first+n-1, one episode each; results in seed order.
 
         Only `concurrency` episodes exist as tasks at a time, each started as another ends: a task
-        per deal up front took 13 s (and its memory) before the first of a million deals played."""
+        per deal up front costs time and memory in the number of deals before the first one plays."""
         seeds = eval_seeds(n, first)
         todo = iter(seeds)
         played: dict[int, Episode] = {}
