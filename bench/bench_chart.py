@@ -1,6 +1,6 @@
 """Strategy-chart benchmark: `blackjack-rl grid` on the embedded model, against a baseline and the prefill floor.
 
-Run: python bench/bench_chart.py [--rounds 2] [--baseline REV] [--lora NAME]
+Run: python bench/bench_chart.py [--rounds 2] [--baseline REV] [--lora NAME] [--game-budget N]
 
 The chart scores the two calls in each of the 280 opening states. Each round runs
 `blackjack-rl grid --game-budget 0` as a whole command with the working tree and with the baseline
@@ -10,6 +10,8 @@ cell's part of its prompt after what it shares with the previous cell, the calls
 once, both calls' ends) decoded in llama.cpp in chunks of 512 with no logits, which is as fast as
 llama.cpp prefills on this machine; the chart cannot take less. Printed: ours against the baseline
 (the value must agree to 1e-4, the cell accuracy exactly) and ours against the floor.
+With `--game-budget N` the command reads the whole game too (N histories, the chart's 270 first
+decisions among them), and the tree's own seconds and certified interval are compared as well.
 Run it alone: llama.cpp beside other CPU work measures the other work.
 """
 
@@ -32,8 +34,9 @@ import baseline  # noqa: E402
 from baseline import cli_env, load  # noqa: E402
 
 
-def chart(src: Path | None, out: Path, lora: str | None) -> tuple[float, dict]:
-    cmd = [sys.executable, "-m", "blackjack_rl.cli", "grid", "--game-budget", "0", "--quiet", "--out", str(out)]
+def chart(src: Path | None, out: Path, lora: str | None, game_budget: int = 0) -> tuple[float, dict]:
+    cmd = [sys.executable, "-m", "blackjack_rl.cli", "grid", "--game-budget", str(game_budget), "--quiet",
+           "--out", str(out)]
     if lora:
         cmd += ["--lora", lora]
     t0 = time.perf_counter()
@@ -90,6 +93,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline", default="bdbcff0", help="the commit to compare against")
     parser.add_argument("--lora", help="an adapter to chart with (a shipped name or a path)")
+    parser.add_argument("--game-budget", type=int, default=0, help="histories of the whole game to read too")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-chart-"))
     old = baseline.unpack(args.baseline)
@@ -97,15 +101,20 @@ def main() -> None:
     baseline.check_source(None)
     sides = {"ours": None, f"baseline {args.baseline}": old}
     times: dict[str, list[float]] = {name: [] for name in sides}
+    trees: dict[str, list[float]] = {name: [] for name in sides}
     grids: dict[str, dict] = {}
-    print(f"# The exact chart (280 cells), `grid --game-budget 0`{' --lora ' + args.lora if args.lora else ''}; "
+    print(f"# The exact chart (280 cells), `grid --game-budget {args.game_budget}`"
+          f"{' --lora ' + args.lora if args.lora else ''}; "
           f"{os.cpu_count()} CPUs; {load()} at start\n")
     try:
         for r in range(args.rounds):
             for name, src in sides.items():
-                seconds, grids[name] = chart(src, work / f"{name.split()[0]}-{r}", args.lora)
+                seconds, grids[name] = chart(src, work / f"{name.split()[0]}-{r}", args.lora, args.game_budget)
                 times[name].append(seconds)
-                print(f"  round {r + 1} [{name}]: {seconds:.1f} s, value {grids[name]['value']:.6f}, "
+                game = grids[name]["whole_game"]
+                tree = f", tree {game['seconds']:.1f} s of it" if game else ""
+                trees[name].append(game["seconds"] if game else 0.0)
+                print(f"  round {r + 1} [{name}]: {seconds:.1f} s{tree}, value {grids[name]['value']:.6f}, "
                       f"cells right {grids[name]['cell_accuracy']:.4f} ({load()})", flush=True)
         tokens, prompt = chart_tokens()
         floor = floor_seconds(tokens, prompt)
@@ -120,6 +129,14 @@ def main() -> None:
         print(f"{'cell accuracy':44} {g_base['cell_accuracy']:10.4f} {g_ours['cell_accuracy']:10.4f} "
               f"{'same' if g_base['cell_accuracy'] == g_ours['cell_accuracy'] else 'DIFFER':>8}")
         print(f"{'P(one of the two calls), mean':44} {g_base['p_calls']:10.6f} {g_ours['p_calls']:10.6f}")
+        if args.game_budget:
+            t_ours = statistics.median(trees["ours"])
+            t_base = statistics.median(trees[f"baseline {args.baseline}"])
+            w_ours, w_base = g_ours["whole_game"], g_base["whole_game"]
+            print(f"{'whole-game tree, median s':44} {t_base:10.1f} {t_ours:10.1f} {t_base / t_ours:7.2f}x")
+            same = all(w_ours[k] == w_base[k] for k in ("value_low", "value_high", "nodes"))
+            print(f"{'whole game: certified interval':44} [{w_base['value_low']:.5f}, {w_base['value_high']:.5f}] "
+                  f"[{w_ours['value_low']:.5f}, {w_ours['value_high']:.5f}] {'same' if same else 'DIFFER':>8}")
         print(f"\n{load()} at the end")
     finally:
         shutil.rmtree(work, ignore_errors=True)

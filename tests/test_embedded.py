@@ -183,6 +183,33 @@ def test_a_later_turn_is_the_same_whatever_the_cache_held(embedded):
     assert scores["warm"] == scores["cold"]
 
 
+def test_a_prompt_body_is_decoded_without_logits_and_the_same_bits_follow(embedded):
+    """No logit of a prompt's body is read (its last token follows alone), so the body is decoded
+    without the vocabulary head. The calls scored after it are the same bits as after a body
+    decoded with every position's logits, as llama-cpp-python's `logits_all` decodes it."""
+    prompt = _prompt(embedded, Observation(15, 9, False))
+    calls = [embedded.chat.answer_ids(tool_call_text(a)) for a in (HIT, STICK)]
+    llama = embedded.llama
+    real_eval, asked = llama.eval, []
+
+    def spy(ids):
+        asked.append((len(ids), llama._logits_all))
+        return real_eval(ids)
+
+    llama.reset()
+    llama.eval = spy
+    try:
+        scored = asyncio.run(embedded.answer_logprobs(prompt, calls))
+    finally:
+        del llama.eval
+    assert asked[0] == (len(prompt) - 1, False)  # the body, one chunk from an empty cache
+    assert all(logits for _, logits in asked[1:])  # the last prompt token and the calls: logits read
+    llama.reset()
+    llama.eval(prompt[:-1])  # the body with every position's logits
+    embedded._body = len(prompt) - 1
+    assert asyncio.run(embedded.answer_logprobs(prompt, calls)) == scored
+
+
 def test_batched_sampling_refuses_a_prompt_longer_than_the_context(embedded):
     from blackjack_rl.policies.base import InferenceError
 
