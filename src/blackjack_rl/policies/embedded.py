@@ -375,8 +375,7 @@ class EmbeddedPolicy:
             llama.n_tokens = keep
         self._body = keep
         # No body logit is ever read (the last prompt token follows alone), so llama.cpp skips the
-        # vocabulary head over the body: a fifth of a token's work for this model. The cache gets
-        # the same bits either way, as the batched path's prefill (last row only) shows.
+        # vocabulary head over the body (docs/inference.md). The cache gets the same bits either way.
         llama._logits_all = False
         try:
             for start, end in body_chunks(keep, body, llama.n_batch):
