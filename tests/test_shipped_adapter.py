@@ -49,6 +49,24 @@ def test_a_shipped_adapter_is_named_after_its_recipe_and_over_the_embedded_base(
         assert config["blackjack_rl_base"]["sha256"] == base
 
 
+def test_training_options_take_a_shipped_adapter_by_name(tmp_path, monkeypatch):
+    """`--base-adapter whole-game` (and --init-adapter) name a shipped adapter as --lora does, so the
+    commands in docs/training run from a fresh clone; a folder of that name on disk wins."""
+    from blackjack_rl.config import load_settings
+
+    for key in ("base_adapter", "init_adapter"):
+        settings = load_settings(overrides={"train": {"lora": True, key: "whole-game"}})
+        assert getattr(settings.train, key) == trained.folder("whole-game")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "whole-game").mkdir()
+    settings = load_settings(overrides={"train": {"lora": True, "base_adapter": "whole-game"}})
+    assert settings.train.base_adapter == Path("whole-game")
+    run = run_cli("train", "--lora", "--base-adapter", "no-such-adapter", "--steps", "1", "--threads", "1",
+                  "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+    assert "no saved adapter at no-such-adapter (shipped adapters, by name: three-phase, whole-game)" in run.stderr
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--versus-base"], "add --lora"),
     (["--lora", "no-such-adapter"], "shipped adapters: three-phase, whole-game"),

@@ -41,6 +41,17 @@ def _http_url(text: str) -> str:
 HttpUrlText = Annotated[str, AfterValidator(_http_url)]
 
 
+def _saved_adapter(path: Path) -> Path:
+    """A shipped adapter by name (`--base-adapter whole-game`), as `--lora` and `--model-path` take
+    one; a path that exists always wins, and any other is left for the trainer to refuse."""
+    from blackjack_rl.trained import model_folder
+
+    return Path(model_folder(str(path)) or path)
+
+
+SavedAdapter = Annotated[Path, AfterValidator(_saved_adapter)]
+
+
 class _Section(BaseModel):
     # NaN and infinity are never meant: a NaN score or temperature would be written into
     # metrics.json (invalid JSON) or sampled with, instead of being refused here.
@@ -468,12 +479,15 @@ class TrainConfig(_Section):
     resume: Path | None = Field(None, description="continue from a checkpoint folder written by --save-every "
                                                   "(weights, optimizer state, step, deal stream)",
                                 json_schema_extra={"metavar": "CHECKPOINT"})
-    init_adapter: Path | None = Field(None, description="LoRA: start the adapters from this saved adapter (OUT/adapter "
-                                                       "or a checkpoint of an earlier run), with a fresh optimizer",
+    init_adapter: SavedAdapter | None = Field(None, description="LoRA: start the adapters from this saved adapter (OUT/adapter, "
+                                                               "a checkpoint of an earlier run, or a shipped one by "
+                                                               "name), with a fresh optimizer",
                                       json_schema_extra={"metavar": "DIR"})
-    base_adapter: Path | None = Field(None, description="LoRA: fold this saved adapter into the weights and train a "
-                                                       "fresh one over it; checkpoints and the final adapter hold "
-                                                       "both, as one adapter of the summed rank over the base model",
+    base_adapter: SavedAdapter | None = Field(None, description="LoRA: fold this saved adapter (a folder, or a shipped "
+                                                               "one by name: whole-game) into the weights and train a "
+                                                               "fresh one over it; checkpoints and the final adapter "
+                                                               "hold both, as one adapter of the summed rank over the "
+                                                               "base model",
                                       json_schema_extra={"metavar": "DIR"})
     max_minutes: float | None = Field(None, gt=0, description="stop after this many minutes of training (charts and "
                                                               "evaluations not counted), then evaluate and save")

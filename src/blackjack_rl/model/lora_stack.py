@@ -31,6 +31,10 @@ WEIGHTS = "adapter_model.safetensors"
 def adapter_files(path: str | Path) -> tuple[Path, Path]:
     """The weights and config of a saved adapter, or one clear error."""
     path = Path(path)
+    if not path.exists():
+        from blackjack_rl.trained import names
+
+        raise FileNotFoundError(f"no saved adapter at {path} (shipped adapters, by name: {', '.join(names())})")
     weights, config = path / WEIGHTS, path / CONFIG
     if not weights.is_file() or not config.is_file():
         raise FileNotFoundError(f"{path} holds no LoRA adapter (no {WEIGHTS} and {CONFIG}); pass the adapter/ "
