@@ -50,8 +50,9 @@ def main(lora: str) -> None:
     print("mean 1 - p, shared beginning:", " ".join(f"{m:.5f}" for m in miss[:shared]), f"(sum {sum(miss[:shared]):.5f})")
     print("mean 1 - p, the optimal call's end:", " ".join(f"{m:.5f}" for m in miss[shared + 1:]),
           f"(sum {sum(miss[shared + 1:]):.5f})")
-    print(f"tokens at 1 - p below 1e-3: {sum(m < 1e-3 for m in miss)} of {len(miss) - 1}, holding "
-          f"{sum(m for m in miss if m < 1e-3):.5f} of the missing mass")
+    certain = [m for i, m in enumerate(miss) if i != shared and m < 1e-3]
+    print(f"tokens at 1 - p below 1e-3 (left out by --skip-certain 1e-3): {len(certain)} of {len(miss) - 1}, "
+          f"holding {sum(certain):.5f} of the {1 - p_calls:.5f} missing")
 
 
 if __name__ == "__main__":
