@@ -46,7 +46,7 @@ def _saved_adapter(path: Path) -> Path:
     one; a path that exists always wins, and any other is left for the trainer to refuse."""
     from blackjack_rl.trained import model_folder
 
-    return Path(model_folder(str(path)) or path)
+    return Path(model_folder(str(path)))
 
 
 SavedAdapter = Annotated[Path, AfterValidator(_saved_adapter)]
