@@ -53,7 +53,7 @@ def test_the_shipped_three_phase_recipe_is_the_committed_run():
 
 
 @pytest.mark.parametrize("name, signal, out, docs", [
-    ("whole-game", "solver", "runs/wg2", "whole-game"),
+    ("whole-game", "solver", "runs/whole-game", "whole-game"),
     ("reward-only", "table", "runs/ro4-fresh", "reward-only"),
     ("outcome-baseline", "table", "runs/outcome-baseline", "reward-only/outcome-baseline"),
 ])
